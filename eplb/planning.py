@@ -1,0 +1,94 @@
+"""`plan()`: the one Python call from a measured load to a checked Placement.
+
+It validates the load and the topology once, with errors that say what to change, runs
+the named policy (a pure function, see `eplb.policy`) and validates what it returns.
+Same inputs, same placement: nothing random, nothing read from the environment.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import numpy as np
+
+from eplb.loadio import as_load
+from eplb.placement import Placement
+from eplb.policy import get_policy
+
+
+def plan(
+    load: Any,
+    num_gpus: int,
+    num_slots: int,
+    num_nodes: int = 1,
+    num_groups: int = 1,
+    policy: str = "default",
+    previous: Placement | None = None,
+) -> Placement:
+    """Compute a placement for `load` ([L, N] or [T, L, N], numpy or torch; T is summed).
+
+    num_slots (P) physical slots per layer spread evenly over num_gpus (M) GPUs on
+    num_nodes nodes; num_groups expert groups (DeepSeek's node-limited routing groups).
+    `previous` is the placement in use, for policies that limit movement.
+    """
+    fn = get_policy(policy)  # unknown names fail before any work
+    load = as_load(load)  # [L, N] float64
+    num_layers, num_experts = load.shape
+    num_gpus = _positive_int(num_gpus, "num_gpus")
+    num_slots = _positive_int(num_slots, "num_slots")
+    num_nodes = _positive_int(num_nodes, "num_nodes")
+    num_groups = _positive_int(num_groups, "num_groups")
+    _check_topology(num_experts, num_gpus, num_slots, num_nodes, num_groups)
+    if previous is not None:
+        _check_previous(previous, num_layers, num_experts, num_gpus, num_slots)
+
+    load.setflags(write=False)  # a policy must not edit its input
+    out = fn(load, num_slots, num_gpus, num_nodes, num_groups, previous)
+    p2l = np.asarray(out)  # [L, P]
+    if p2l.shape != (num_layers, num_slots):
+        raise ValueError(
+            f"policy {policy!r} returned shape {p2l.shape}, expected [L, P] = {(num_layers, num_slots)}"
+        )
+    try:
+        return Placement(p2l, num_experts, num_gpus, num_nodes, policy=policy)
+    except ValueError as e:
+        raise ValueError(f"policy {policy!r} returned an invalid placement: {e}") from None
+
+
+def _positive_int(value: Any, name: str) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"{name} must be >= 1, got {n}")
+    return n
+
+
+def _check_topology(n: int, m: int, p: int, nodes: int, groups: int) -> None:
+    if p < n:
+        raise ValueError(f"num_slots ({p}) must be >= the number of experts N ({n}): every expert needs a slot")
+    if p % m:
+        lo, hi = p // m * m, -(-p // m) * m  # nearest multiples below and above
+        options = f"{lo} or {hi}" if lo >= n else f"{hi}"
+        raise ValueError(
+            f"num_slots ({p}) must be a multiple of num_gpus ({m}) so every GPU gets the same "
+            f"number of slots; try {options}"
+        )
+    if m % nodes:
+        raise ValueError(f"num_gpus ({m}) must be divisible by num_nodes ({nodes})")
+    if n % groups:
+        raise ValueError(f"the number of experts N ({n}) must be divisible by num_groups ({groups})")
+
+
+def _check_previous(prev: Placement, layers: int, n: int, m: int, p: int) -> None:
+    if not isinstance(prev, Placement):
+        raise ValueError(f"previous must be a Placement or None, got {type(prev).__name__}")
+    want = {"L": layers, "N": n, "num_gpus": m, "num_slots": p}
+    have = {"L": prev.num_layers, "N": prev.num_logical_experts, "num_gpus": prev.num_gpus,
+            "num_slots": prev.num_slots}
+    diff = [f"{k} {have[k]} vs {want[k]}" for k in want if have[k] != want[k]]
+    if diff:
+        raise ValueError(f"previous placement does not match this plan: {', '.join(diff)} (previous vs now)")

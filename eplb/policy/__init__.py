@@ -1,0 +1,76 @@
+"""Placement policies: pure functions of (load, topology, previous) -> physical_to_logical.
+
+A policy is registered under a name and looked up by it (`EplbConfig.policy`, the CLI,
+`eplb.planning.plan`). Every policy has the `PolicyFn` signature below; `plan()` checks
+its inputs before the call and validates its output after, so a policy does neither.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Protocol
+
+import numpy as np
+import torch
+
+from eplb.placement import Placement
+from eplb.policy import deepseek
+
+
+class PolicyFn(Protocol):
+    def __call__(
+        self,
+        load: np.ndarray,  # [L, N] float64, finite, >= 0
+        num_slots: int,  # P, a multiple of num_gpus, >= N
+        num_gpus: int,  # M, a multiple of num_nodes
+        num_nodes: int,
+        num_groups: int,  # N % num_groups == 0
+        previous: Optional[Placement],  # current placement, same L, N, P, M; or None
+    ) -> np.ndarray:  # [L, P] int64 physical_to_logical
+        ...
+
+
+_REGISTRY: dict[str, PolicyFn] = {}
+
+
+def register_policy(name: str) -> Callable[[PolicyFn], PolicyFn]:
+    """Decorator: make `fn` available as policy `name`; a name can be taken only once."""
+
+    def add(fn: PolicyFn) -> PolicyFn:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ValueError(f"policy {name!r} is already registered")
+        _REGISTRY[name] = fn
+        return fn
+
+    return add
+
+
+def available_policies() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_policy(name: str) -> PolicyFn:
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown policy {name!r}; available: {', '.join(available_policies())}"
+        ) from None
+
+
+@register_policy("deepseek")
+def deepseek_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous):
+    """DeepSeek EPLB as published (see `eplb.policy.deepseek`); ignores `previous`."""
+    phy2log, _, _ = deepseek.rebalance_experts(
+        torch.tensor(load, dtype=torch.float64), num_slots, num_groups, num_nodes, num_gpus
+    )  # [L, P]
+    return phy2log.numpy().astype(np.int64)
+
+
+@register_policy("default")
+def default_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous):
+    """For now exactly the `deepseek` policy, so it inherits its faults: replicas of one
+    expert may share a GPU and `previous` is ignored (every rebalance may move everything).
+    A later issue replaces it with a better planner."""
+    return deepseek_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous)
+
+
+__all__ = ["PolicyFn", "register_policy", "get_policy", "available_policies"]
