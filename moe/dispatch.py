@@ -1,0 +1,151 @@
+"""Dispatch: logical top-k ids -> physical slots (recording the load) -> owning ranks and back.
+
+Steps, all tensor ops on the tokens' device:
+
+1. `map_to_physical`: pick one replica slot per (token, k) by a multiplicative hash of
+   the flat position t*K + k, so a token's K choices and consecutive tokens spread over
+   an expert's replicas deterministically (no RNG state, same answer on every call).
+2. `record_load`: +1 per (token, k) into the layer's `expert_load_view [P]` row with
+   `scatter_add_`; no host sync.
+3. `dispatch`: sort the (token, k) copies by slot, exchange them with
+   `all_to_all_single` so each lands on the rank owning its slot (rank = slot // S), and
+   sort what arrives by local slot for the experts. One host sync reads the split sizes.
+4. `combine`: the inverse exchange, back into (token, k) order; `weighted_sum` applies
+   the gate weights and sums over k.
+
+With no process group (or a group of one) steps 3-4 are local permutations only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+KNUTH = 2654435769  # 2^32 / golden ratio, the multiplier vLLM's replica hash uses
+
+
+def _mul_low32(index: torch.Tensor, multiplier: int) -> torch.Tensor:
+    """(index * multiplier) mod 2^32 for int64 `index`, without int64 overflow."""
+    index = index & 0xFFFFFFFF
+    lo, hi = index & 0xFFFF, index >> 16  # 16-bit halves
+    # lo * m < 2^48; only the low 16 bits of hi * m survive the shift by 16 mod 2^32
+    return (lo * multiplier + (((hi * multiplier) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def hash_replica(index: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Replica number in [0, count) for each flat position `index` (same shapes, int64).
+
+    h = (index * 2654435769) mod 2^32 as in vLLM, then reduced to [0, count) by its high
+    bits, (h * count) >> 32, rather than vLLM's `h % count`: the low bits of a
+    multiplicative hash repeat the low bits of the index, so with `% count` and an even
+    count every k = 0 choice of K = 2 would take the same replica.
+    """
+    h = _mul_low32(index, KNUTH)  # [*] in [0, 2^32)
+    return (h * count) >> 32
+
+
+def map_to_physical(
+    topk_ids: torch.Tensor,  # [T, K] logical expert ids
+    logical_to_physical_map: torch.Tensor,  # [N, R] slots of each expert, -1 padded
+    logical_replica_count: torch.Tensor,  # [N] replicas of each expert
+) -> torch.Tensor:  # [T, K] physical slot ids
+    """Pick a replica slot for every (token, k), spreading tokens over replicas."""
+    T, K = topk_ids.shape
+    index = torch.arange(T * K, device=topk_ids.device).view(T, K)  # [T, K] flat position
+    count = logical_replica_count[topk_ids].long()  # [T, K]
+    replica = hash_replica(index, count)  # [T, K]
+    return logical_to_physical_map[topk_ids, replica]  # [T, K]
+
+
+def record_load(expert_load_view: torch.Tensor, physical_ids: torch.Tensor) -> None:
+    """Count each (token, k) choice into `expert_load_view [P]` in place; no host sync."""
+    flat = physical_ids.reshape(-1)  # [T*K]
+    expert_load_view.scatter_add_(
+        0, flat, torch.ones(flat.shape, dtype=expert_load_view.dtype, device=flat.device))
+
+
+def weighted_sum(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """expert_out [T, K, H], gate weights [T, K] -> [T, H] (accumulated in float32)."""
+    return (expert_out.float() * weights.float().unsqueeze(-1)).sum(1).to(expert_out.dtype)
+
+
+def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+@dataclass
+class DispatchState:
+    """What `combine` needs to undo `dispatch`."""
+
+    order: torch.Tensor  # [T*K] flat (token, k) positions sorted by slot
+    num_tokens: int  # T
+    top_k: int  # K
+    local_order: torch.Tensor | None = None  # [T_r] received rows sorted by local slot
+    send_splits: list[int] | None = None  # [W] rows sent to each rank
+    recv_splits: list[int] | None = None  # [W] rows received from each rank
+
+
+def dispatch(
+    x: torch.Tensor,  # [T, H]
+    physical_ids: torch.Tensor,  # [T, K] slots in [0, W*S)
+    num_local_slots: int,  # S
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[int] | None, DispatchState]:
+    """Send each (token, k) copy of x to the rank owning its slot.
+
+    Returns (x_local [T_r, H] rows for this rank's slots sorted by local slot,
+             counts [S] int64 rows per local slot (device),
+             counts_host [S] the same as ints, or None when nothing forced a host sync,
+             state for `combine`).
+    """
+    T, K = physical_ids.shape
+    S = num_local_slots
+    W, _ = _world(group)
+    flat = physical_ids.reshape(-1)  # [T*K]
+    order = torch.argsort(flat, stable=True)  # [T*K] grouped by slot, hence by rank
+    x_sorted = x[order // K]  # [T*K, H]
+    slot_counts = torch.zeros(W * S, dtype=torch.int64, device=flat.device)  # [W*S]
+    slot_counts.scatter_add_(0, flat, torch.ones_like(flat))
+    state = DispatchState(order, T, K)
+    if W == 1:
+        return x_sorted, slot_counts, None, state
+
+    # rows per (source rank, my local slot): [W*S], equal splits of S per rank
+    recv_slot_counts = torch.empty_like(slot_counts)
+    dist.all_to_all_single(recv_slot_counts, slot_counts, group=group)
+    host = torch.cat([slot_counts.view(W, S).sum(1), recv_slot_counts]).tolist()  # one sync
+    send_splits, recv_grid = host[:W], host[W:]
+    recv_splits = [sum(recv_grid[r * S:(r + 1) * S]) for r in range(W)]
+    counts_host = [sum(recv_grid[r * S + s] for r in range(W)) for s in range(S)]
+    total = sum(recv_splits)
+
+    x_recv = x.new_empty(total, x.shape[1])  # [T_r, H] ordered by (source rank, slot)
+    dist.all_to_all_single(x_recv, x_sorted.contiguous(), recv_splits, send_splits, group=group)
+    local_slot = torch.arange(S, device=flat.device).repeat(W).repeat_interleave(
+        recv_slot_counts, output_size=total)  # [T_r]
+    local_order = torch.argsort(local_slot, stable=True)  # [T_r]
+    counts = recv_slot_counts.view(W, S).sum(0)  # [S]
+    state.local_order, state.send_splits, state.recv_splits = local_order, send_splits, recv_splits
+    return x_recv[local_order], counts, counts_host, state
+
+
+def combine(
+    y_local: torch.Tensor,  # [T_r, H] expert outputs in `dispatch`'s x_local order
+    state: DispatchState,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:  # [T, K, H]
+    """Return every expert output to the rank and (token, k) position it came from."""
+    if state.local_order is None:
+        y_sorted = y_local  # [T*K, H]
+    else:
+        y_recv = torch.empty_like(y_local)  # [T_r, H] back in (source rank, slot) order
+        y_recv[state.local_order] = y_local
+        y_sorted = y_local.new_empty(state.num_tokens * state.top_k, y_local.shape[1])
+        dist.all_to_all_single(y_sorted, y_recv, state.send_splits, state.recv_splits,
+                               group=group)
+    y = torch.empty_like(y_sorted)  # [T*K, H]
+    y[state.order] = y_sorted
+    return y.view(state.num_tokens, state.top_k, -1)

@@ -1,0 +1,124 @@
+"""One MoE layer (router -> dispatch -> routed experts -> combine, plus shared experts),
+the RMSNorm before it and the residual block around both."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .args import MoEArgs
+from .dispatch import combine, dispatch, map_to_physical, record_load, weighted_sum
+from .experts import GroupedExperts, SharedExperts
+from .router import Router
+from .weights import norm_weight_for
+
+
+class RMSNorm(nn.Module):
+    """x [T, H] -> x / rms(x) * weight, the statistics in float32."""
+
+    def __init__(self, args: MoEArgs, layer: int, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.eps = args.norm_eps
+        self.weight = nn.Parameter(norm_weight_for(args, layer, device), requires_grad=False)  # [H]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+class MoELayer(nn.Module):
+    """Routed experts over expert parallelism plus the shared experts.
+
+    Holds S = num_local_physical_experts slots (`experts.w13 [S, 2I, H]`,
+    `experts.w2 [S, H, I]`); slot p of the layer lives on EP rank p // S. Routing state
+    comes from the runtime through `set_eplb_state` as row views:
+    `expert_load_view [P]`, `logical_to_physical_map [N, R]`, `logical_replica_count [N]`.
+    The layer only ever reads the maps and adds into the load view, so the runtime may
+    rewrite all three (and the expert weights) in place between forwards.
+    """
+
+    def __init__(self, args: MoEArgs, layer: int, num_local_slots: int,
+                 group: dist.ProcessGroup | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.layer_idx = layer
+        self.group = group
+        self.num_logical_experts = args.num_experts
+        self.num_local_physical_experts = num_local_slots
+        self.num_physical_experts = args.num_physical_experts
+        self.router = Router(args, layer, device)
+        self.experts = GroupedExperts(num_local_slots, args.hidden_size, args.intermediate_size,
+                                      args.dtype, device)
+        self.shared_experts = (SharedExperts(args, layer, device)
+                               if args.num_shared_experts > 0 else None)
+        self.record_load = True  # False: route without counting (warm-up, dummy batches)
+        self.moe_layer_idx: int | None = None
+        self.expert_load_view: torch.Tensor | None = None  # [P]
+        self.logical_to_physical_map: torch.Tensor | None = None  # [N, R]
+        self.logical_replica_count: torch.Tensor | None = None  # [N]
+
+    # ---- MoELayerProtocol --------------------------------------------------------
+    def get_expert_weights(self) -> Sequence[torch.Tensor]:
+        """[w13 [S, 2I, H], w2 [S, H, I]]: the parameters themselves (same storage)."""
+        return [self.experts.w13, self.experts.w2]
+
+    def set_eplb_state(self, moe_layer_idx: int, expert_load_view: torch.Tensor,
+                       logical_to_physical_map: torch.Tensor,
+                       logical_replica_count: torch.Tensor) -> None:
+        """Keep row `moe_layer_idx` of the runtime's [L, P], [L, N, R] and [L, N] tensors."""
+        P, N = self.num_physical_experts, self.num_logical_experts
+        device = self.experts.w13.device
+        checks = (("expert_load_view", expert_load_view, 2, P),
+                  ("logical_to_physical_map", logical_to_physical_map, 3, N),
+                  ("logical_replica_count", logical_replica_count, 2, N))
+        for name, t, ndim, width in checks:
+            if t.dim() != ndim or t.shape[1] != width or not 0 <= moe_layer_idx < t.shape[0]:
+                raise ValueError(f"{name}: shape {tuple(t.shape)} does not fit layer "
+                                 f"{moe_layer_idx} with P={P}, N={N}")
+            if t.device != device:
+                raise ValueError(f"{name}: on {t.device}, the layer's weights on {device}")
+            if t.dtype.is_floating_point:
+                raise ValueError(f"{name}: needs an integer dtype, got {t.dtype}")
+        self.moe_layer_idx = moe_layer_idx
+        self.expert_load_view = expert_load_view[moe_layer_idx]
+        self.logical_to_physical_map = logical_to_physical_map[moe_layer_idx]
+        self.logical_replica_count = logical_replica_count[moe_layer_idx]
+
+    # ---- forward -----------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] (already normed) -> routed + shared expert output [T, H]."""
+        if self.logical_to_physical_map is None:
+            raise RuntimeError("MoELayer: set_eplb_state was never called")
+        S = self.num_local_physical_experts
+        world = dist.get_world_size(self.group) if self.group is not None else 1
+        if world * S != self.num_physical_experts:
+            raise RuntimeError(f"{world} ranks x {S} local slots != {self.num_physical_experts} "
+                               "physical experts; the runtime must resize the layer first")
+        topk_ids, topk_weights = self.router(x)  # [T, K], [T, K]
+        physical_ids = map_to_physical(topk_ids, self.logical_to_physical_map,
+                                       self.logical_replica_count)  # [T, K]
+        if self.record_load:
+            record_load(self.expert_load_view, physical_ids)
+        x_local, counts, counts_host, state = dispatch(x, physical_ids, S, self.group)
+        y_local = self.experts(x_local, counts, counts_host)  # [T_r, H]
+        out = weighted_sum(combine(y_local, state, self.group), topk_weights)  # [T, H]
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm residual block: h -> h + moe(norm(h))."""
+
+    def __init__(self, norm: nn.Module, moe: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.moe = moe
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, H] -> [T, H]."""
+        return h + self.moe(self.norm(h))

@@ -1,0 +1,156 @@
+"""MoEModel: a stack of expert-parallel MoE blocks implementing the MixtureOfExperts protocol."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from eplb.placement import Placement
+
+from .args import MoEArgs
+from .layer import MoEBlock, MoELayer, RMSNorm
+from .weights import write_expert_slots
+
+
+def eplb_state_for(
+    placement: Placement, device: torch.device | str = "cpu", max_replicas: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fresh protocol tensors for a placement: (expert_load_view [L, P] int64 zeros,
+    logical_to_physical_map [L, N, R] int64 -1 padded, logical_replica_count [L, N] int64)."""
+    load = torch.zeros(placement.num_layers, placement.num_slots, dtype=torch.int64, device=device)
+    l2p = torch.from_numpy(placement.logical_to_physical(max_replicas)).to(device)
+    count = torch.from_numpy(placement.replica_count()).to(device)
+    return load, l2p, count
+
+
+class MoEModel(nn.Module):
+    """L pre-norm residual MoE blocks, h = h + moe(rmsnorm(h)), over expert parallelism.
+
+    `group` is the EP process group; None means a single process holding all P slots
+    (no communication). Rank r of the group holds slots [r*S, (r+1)*S) of every layer,
+    S = P / group size. At construction each rank fills its slots according to
+    `Placement.initial` (slot p holds expert p % N) and registers maps of that placement
+    that the model owns, so it runs on its own; a runtime replaces them through
+    `set_eplb_state`. Everything runs without autograd (the parameters need no grad).
+
+    MixtureOfExperts members (vLLM's names): expert_weights, num_moe_layers,
+    num_expert_groups, num_logical_experts, num_physical_experts,
+    num_local_physical_experts, num_routed_experts, num_shared_experts,
+    num_redundant_experts, moe_layers, set_eplb_state, update_physical_experts_metadata.
+    """
+
+    def __init__(self, args: MoEArgs, group: dist.ProcessGroup | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        ep_size = dist.get_world_size(group) if group is not None else 1
+        ep_rank = dist.get_rank(group) if group is not None else 0
+        args.validate(ep_size)
+        self.args = args
+        self.group = group
+        self.ep_size, self.ep_rank = ep_size, ep_rank
+        self.device = torch.device(device)
+        L, N, P = args.num_layers, args.num_experts, args.num_physical_experts
+        S = P // ep_size
+
+        self.num_moe_layers = L
+        self.num_expert_groups = args.num_expert_groups
+        self.num_logical_experts = N
+        self.num_routed_experts = N
+        self.num_shared_experts = args.num_shared_experts
+        self.num_physical_experts = P
+        self.num_local_physical_experts = S
+        self.num_redundant_experts = P - N
+
+        self.layers = nn.ModuleList(
+            MoEBlock(RMSNorm(args, i, device), MoELayer(args, i, S, group, device))
+            for i in range(L)
+        )
+        self.moe_layers: list[MoELayer] = [block.moe for block in self.layers]
+
+        placement = Placement.initial(L, N, P, ep_size)
+        first = ep_rank * S
+        for i, layer in enumerate(self.moe_layers):
+            w13, w2 = layer.get_expert_weights()
+            write_expert_slots(w13, w2, args, i, placement.physical_to_logical[i, first:first + S])
+
+        self.expert_weights: list[list[torch.Tensor]] = []
+        self.expert_load_view: torch.Tensor  # [L, P] the tensors the layers hold rows of
+        self.logical_to_physical_map: torch.Tensor  # [L, N, R]
+        self.logical_replica_count: torch.Tensor  # [L, N]
+        self.set_eplb_state(*eplb_state_for(placement, self.device))
+
+    # ---- MixtureOfExperts --------------------------------------------------------
+    def set_eplb_state(self, expert_load_view: torch.Tensor,
+                       logical_to_physical_map: torch.Tensor,
+                       logical_replica_count: torch.Tensor) -> None:
+        """Register row views of the runtime's tensors with every layer and refill
+        `expert_weights` (same list object) with each layer's [w13, w2].
+
+        expert_load_view [L, P], logical_to_physical_map [L, N, R] (-1 padded, any R),
+        logical_replica_count [L, N]; integer tensors on the model's device.
+        """
+        for name, t in (("expert_load_view", expert_load_view),
+                        ("logical_to_physical_map", logical_to_physical_map),
+                        ("logical_replica_count", logical_replica_count)):
+            if t.shape[0] != self.num_moe_layers:
+                raise ValueError(f"{name}: first dim {t.shape[0]} != num_moe_layers "
+                                 f"({self.num_moe_layers})")
+        for i, layer in enumerate(self.moe_layers):
+            layer.set_eplb_state(i, expert_load_view, logical_to_physical_map,
+                                 logical_replica_count)
+        self.expert_load_view = expert_load_view
+        self.logical_to_physical_map = logical_to_physical_map
+        self.logical_replica_count = logical_replica_count
+        self.expert_weights[:] = [list(layer.get_expert_weights()) for layer in self.moe_layers]
+
+    def update_physical_experts_metadata(self, num_physical_experts: int,
+                                         num_local_physical_experts: int) -> None:
+        """Record a new slot count (elastic resize). Nothing is re-allocated: the local
+        slot tensors keep their S rows, so `num_local_physical_experts` must stay S.
+
+        When P changes, the layers drop their routing state; the runtime must then
+        redistribute the expert weights, call `set_eplb_state` with [L, P_new] tensors
+        and give the layers an EP group of P_new / S ranks before the next forward.
+        """
+        S = self.moe_layers[0].experts.num_slots
+        if num_local_physical_experts != S:
+            raise ValueError(f"num_local_physical_experts: {num_local_physical_experts} != the "
+                             f"{S} slots allocated per rank; re-allocation is not supported")
+        if num_physical_experts < self.num_logical_experts or num_physical_experts % S:
+            raise ValueError(f"num_physical_experts: {num_physical_experts} must be a multiple "
+                             f"of {S} and >= num_logical_experts ({self.num_logical_experts})")
+        changed = num_physical_experts != self.num_physical_experts
+        self.num_physical_experts = num_physical_experts
+        self.num_local_physical_experts = num_local_physical_experts
+        self.num_redundant_experts = num_physical_experts - self.num_logical_experts
+        for layer in self.moe_layers:
+            layer.num_physical_experts = num_physical_experts
+            layer.num_local_physical_experts = num_local_physical_experts
+            if changed:
+                layer.expert_load_view = None
+                layer.logical_to_physical_map = None
+                layer.logical_replica_count = None
+
+    # ---- workload knobs ----------------------------------------------------------
+    @torch.no_grad()
+    def set_routing_bias(self, bias: torch.Tensor) -> None:
+        """Write bias [L, N] into every router's `selection_bias` in place."""
+        if tuple(bias.shape) != (self.num_moe_layers, self.num_logical_experts):
+            raise ValueError(f"bias: shape {tuple(bias.shape)} != "
+                             f"({self.num_moe_layers}, {self.num_logical_experts})")
+        for i, layer in enumerate(self.moe_layers):
+            layer.router.selection_bias.copy_(bias[i])
+
+    def set_record_load(self, enabled: bool) -> None:
+        """Turn load counting on or off in every layer (e.g. off for warm-up batches)."""
+        for layer in self.moe_layers:
+            layer.record_load = enabled
+
+    # ---- forward -----------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] in args.dtype -> [T, H]. Every EP rank must call it (collectives)."""
+        h = x
+        for block in self.layers:
+            h = block(h)
+        return h
