@@ -1,0 +1,88 @@
+"""EplbConfig: the runtime's settings, checked once by `verify()`.
+
+Verify-and-update pattern: an invalid value raises ValueError naming the field and
+what is allowed; every value the runtime fills in or adjusts is logged.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+log = logging.getLogger("eplb.config")
+
+
+@dataclass(frozen=True)
+class EplbConfig:
+    num_redundant_experts: int = 0
+    """Extra physical slots per layer beyond the N logical experts (P = N + this)."""
+    window_size: int = 1000
+    """Steps of recorded load the planner sees."""
+    rebalance_interval: int = 3000
+    """Rebalance every this many `step()` calls; 0 = only when asked (`rebalance()`)."""
+    policy: str = "default"
+    """Planner name, see `eplb.policy.available_policies()`."""
+    num_nodes: int | None = None
+    """Nodes the EP ranks span; None = read from torchrun's environment."""
+    initial_placement: str | None = None
+    """Optional placement file (.json/.npy/.pt) to move to when the runtime starts."""
+
+    def verify(self, num_logical_experts: int, num_gpus: int,
+               num_physical_experts: int | None = None) -> "EplbConfig":
+        """Check against the model and the EP group; return the config with resolved values."""
+        from eplb.policy import available_policies
+
+        N, M = num_logical_experts, num_gpus
+        if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be an int >= 0, got {self.num_redundant_experts!r}")
+        P = N + self.num_redundant_experts
+        if P % M:
+            ok = [r for r in range(self.num_redundant_experts + 3 * M) if (N + r) % M == 0][:3]
+            raise ValueError(
+                f"num_redundant_experts={self.num_redundant_experts}: {P} physical slots "
+                f"(N={N} + redundant) must be divisible by the {M} EP ranks; "
+                f"valid num_redundant_experts: {', '.join(map(str, ok))}, ..."
+            )
+        if num_physical_experts is not None and num_physical_experts != P:
+            raise ValueError(
+                f"num_redundant_experts={self.num_redundant_experts} gives {P} slots but the model "
+                f"has num_physical_experts={num_physical_experts}; set num_redundant_experts="
+                f"{num_physical_experts - N}"
+            )
+        if not isinstance(self.window_size, int) or self.window_size < 1:
+            raise ValueError(f"window_size must be an int >= 1, got {self.window_size!r}")
+        if not isinstance(self.rebalance_interval, int) or self.rebalance_interval < 0:
+            raise ValueError(
+                f"rebalance_interval must be an int >= 0 (0 = only on request), got {self.rebalance_interval!r}"
+            )
+        if self.policy not in available_policies():
+            raise ValueError(f"policy={self.policy!r} is unknown; choose one of {available_policies()}")
+        if self.initial_placement is not None and not os.path.isfile(self.initial_placement):
+            raise ValueError(f"initial_placement: file not found: {self.initial_placement}")
+
+        num_nodes = self.num_nodes
+        if num_nodes is None:
+            num_nodes = nodes_from_env(M)
+            log.info("num_nodes not set: using %d (from torchrun environment)", num_nodes)
+        elif not isinstance(num_nodes, int) or num_nodes < 1:
+            raise ValueError(f"num_nodes must be an int >= 1, got {num_nodes!r}")
+        if M % num_nodes:
+            log.warning("num_nodes=%d does not divide the %d EP ranks: planning with num_nodes=1",
+                        num_nodes, M)
+            num_nodes = 1
+        if self.rebalance_interval and self.window_size > self.rebalance_interval:
+            log.info("window_size=%d > rebalance_interval=%d: each plan also sees load recorded "
+                     "before the previous rebalance", self.window_size, self.rebalance_interval)
+        return dataclasses.replace(self, num_nodes=num_nodes)
+
+
+def nodes_from_env(world_size: int) -> int:
+    """Number of nodes from torchrun's variables (WORLD_SIZE / LOCAL_WORLD_SIZE), else 1."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if not local or not local.isdigit() or int(local) < 1:
+        return 1
+    local = int(local)
+    if world_size % local:
+        return 1
+    return world_size // local

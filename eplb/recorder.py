@@ -1,0 +1,67 @@
+"""LoadRecorder: a sliding window of per-step expert load, kept on the device.
+
+Each `record()` turns the forward pass's physical counts `[L, P]` into logical
+counts `[L, N]` (with the placement in force while they were counted) and per-GPU
+counts `[L, M]`, writes them into ring buffers and zeroes the pass, all as tensor
+ops: no host synchronisation per step. `window_load()` sums the window and does the
+one all-reduce a rebalance needs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class LoadRecorder:
+    def __init__(self, num_layers: int, num_logical: int, num_gpus: int, slots_per_gpu: int,
+                 window_size: int, device: torch.device):
+        L, N, M = num_layers, num_logical, num_gpus
+        self.num_gpus, self.slots_per_gpu = M, slots_per_gpu
+        self.window_size = window_size
+        self.logical_ring = torch.zeros(window_size, L, N, dtype=torch.int64, device=device)  # [W, L, N]
+        self.gpu_ring = torch.zeros(window_size, L, M, dtype=torch.int64, device=device)  # [W, L, M]
+        self.steps_recorded = 0  # all steps ever recorded
+        self.gpu_steps = 0  # steps in gpu_ring since the last placement change
+
+    @property
+    def fill(self) -> int:
+        """Steps currently in the window."""
+        return min(self.steps_recorded, self.window_size)
+
+    def record(self, load_pass: torch.Tensor, physical_to_logical: torch.Tensor) -> None:
+        """Fold one step's counts `load_pass [L, P]` into the window, then zero it in place."""
+        i = self.steps_recorded % self.window_size
+        L, P = load_pass.shape
+        logical = self.logical_ring[i]  # [L, N]
+        logical.zero_()
+        logical.scatter_add_(1, physical_to_logical, load_pass.to(torch.int64))
+        torch.sum(load_pass.view(L, self.num_gpus, self.slots_per_gpu), dim=-1, out=self.gpu_ring[i])
+        load_pass.zero_()
+        self.steps_recorded += 1
+        self.gpu_steps += 1
+
+    def last_gpu_load(self) -> torch.Tensor:  # [L, M]
+        """This rank's per-GPU counts of the most recent step (not reduced over ranks)."""
+        return self.gpu_ring[(self.steps_recorded - 1) % self.window_size]
+
+    def window_load(self, group: dist.ProcessGroup | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Window sums over all ranks: logical `[L, N]` and measured per-GPU `[L, M]`.
+
+        The per-GPU part covers only steps since the last placement change (older
+        steps were counted under another placement). One all-reduce.
+        """
+        logical = self.logical_ring.sum(0)  # [L, N]
+        n_gpu = min(self.gpu_steps, self.window_size)
+        idx = [(self.steps_recorded - 1 - k) % self.window_size for k in range(n_gpu)]
+        gpu = self.gpu_ring[idx].sum(0) if idx else torch.zeros_like(self.gpu_ring[0])  # [L, M]
+        both = torch.cat([logical, gpu], dim=1)  # [L, N + M]
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(both, group=group)
+        N = logical.shape[1]
+        return both[:, :N], both[:, N:]
+
+    def on_placement_change(self) -> None:
+        """Per-GPU counts from before a rebalance describe the old placement: drop them."""
+        self.gpu_steps = 0
+        self.gpu_ring.zero_()

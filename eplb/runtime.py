@@ -1,0 +1,211 @@
+"""EplbRuntime: the one place that wires model, recorder, policy and transfer together.
+
+    runtime = EplbRuntime(model, EplbConfig(...), group=ep_group)
+    for batch in data:
+        out = model(batch)
+        runtime.step()          # after every forward; rebalances on schedule
+    runtime.rebalance()         # or now, on every rank (a collective)
+
+Every rank of `group` must call `step()` and `rebalance()` in lockstep.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from eplb.config import EplbConfig
+from eplb.placement import Placement, balancedness_of_gpu_loads
+from eplb.planning import plan
+from eplb.protocol import MixtureOfExperts, missing_members
+from eplb.recorder import LoadRecorder
+from eplb.transfer import TransferExecutor, transfer_stats
+
+log = logging.getLogger("eplb.runtime")
+
+
+@dataclass
+class RebalanceEvent:
+    """What one rebalance did, identical on every rank."""
+
+    step: int
+    trigger: str
+    balancedness_before: np.ndarray  # [L] measured over the window (mean/max GPU load)
+    balancedness_after: np.ndarray  # [L] predicted: the same window's load on the new placement
+    experts_moved: int  # remote expert copies received, all ranks together
+    local_copies: int  # slots filled from another slot on the same rank
+    slots_changed: int
+    bytes_moved: int  # bytes sent between ranks, all ranks together
+    seconds_plan: float
+    seconds_transfer: float
+    seconds_commit: float
+    placement: Placement = field(repr=False)
+
+    @property
+    def seconds(self) -> float:
+        return self.seconds_plan + self.seconds_transfer + self.seconds_commit
+
+
+class EplbRuntime:
+    def __init__(self, model: MixtureOfExperts, config: EplbConfig | None = None,
+                 group: dist.ProcessGroup | None = None):
+        missing = missing_members(model)
+        if missing:
+            raise TypeError(f"{type(model).__name__} does not implement MixtureOfExperts: "
+                            f"missing {', '.join(missing)}")
+        if model.num_moe_layers < 1:
+            raise ValueError("model has no MoE layers (num_moe_layers must be >= 1)")
+        self.model = model
+        self.group = group
+        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        L, N = model.num_moe_layers, model.num_logical_experts
+        P, S = model.num_physical_experts, model.num_local_physical_experts
+        config = config or EplbConfig(num_redundant_experts=P - N)
+        self.config = config.verify(N, self.world_size, num_physical_experts=P)
+        if S * self.world_size != P:
+            raise ValueError(f"model has num_local_physical_experts={S} on each of {self.world_size} "
+                             f"ranks, but num_physical_experts={P} (expected {P // self.world_size})")
+
+        self.placement = Placement.initial(L, N, P, self.world_size, self.config.num_nodes)
+        self.device = self._find_device(model)
+        self.max_replicas = self.placement.max_replicas
+        # runtime-owned tensors, shared with the model; only ever updated in place
+        self.expert_load_pass = torch.zeros(L, P, dtype=torch.int64, device=self.device)  # [L, P]
+        self.physical_to_logical = torch.zeros(L, P, dtype=torch.int64, device=self.device)  # [L, P]
+        self.logical_to_physical_map = torch.zeros(L, N, self.max_replicas, dtype=torch.int64,
+                                                   device=self.device)  # [L, N, R]
+        self.logical_replica_count = torch.zeros(L, N, dtype=torch.int64, device=self.device)  # [L, N]
+        self._write_maps(self.placement)
+        model.set_eplb_state(self.expert_load_pass, self.logical_to_physical_map,
+                             self.logical_replica_count)
+        self.expert_weights = [list(w) for w in model.expert_weights]  # L lists of [S, ...] tensors
+        self._check_expert_weights(S)
+        self.bytes_per_expert = sum(w.numel() // S * w.element_size() for w in self.expert_weights[0])
+
+        self.recorder = LoadRecorder(L, N, self.world_size, S, self.config.window_size, self.device)
+        self.executor = TransferExecutor(num_nodes=self.config.num_nodes)
+        self.steps = 0
+        self.events: list[RebalanceEvent] = []
+        self._listeners: list[Callable[[RebalanceEvent], None]] = []
+        if self.config.initial_placement:
+            target = Placement.load(self.config.initial_placement, N, self.world_size)
+            self.apply_placement(target, trigger="initial")
+
+    # ---- set-up helpers ----------------------------------------------------------
+    @staticmethod
+    def _find_device(model) -> torch.device:
+        for w in getattr(model, "expert_weights", None) or []:
+            for t in w:
+                return t.device
+        if isinstance(model, torch.nn.Module):
+            for p in model.parameters():
+                return p.device
+        return torch.device("cpu")
+
+    def _check_expert_weights(self, S: int) -> None:
+        if len(self.expert_weights) != self.model.num_moe_layers:
+            raise ValueError(f"model.expert_weights has {len(self.expert_weights)} layers after "
+                             f"set_eplb_state, expected num_moe_layers={self.model.num_moe_layers}")
+        for i, ws in enumerate(self.expert_weights):
+            for t in ws:
+                if t.shape[0] != S:
+                    raise ValueError(f"expert_weights[{i}] holds a tensor of shape {tuple(t.shape)}; "
+                                     f"dim 0 must be num_local_physical_experts={S}")
+
+    def add_listener(self, fn: Callable[[RebalanceEvent], None]) -> None:
+        """Call `fn(event)` after every rebalance (the hook metrics attach to)."""
+        self._listeners.append(fn)
+
+    # ---- the step loop -----------------------------------------------------------
+    def step(self) -> RebalanceEvent | None:
+        """Call after every forward: records this step's load; rebalances on schedule."""
+        self.recorder.record(self.expert_load_pass, self.physical_to_logical)
+        self.steps += 1
+        interval = self.config.rebalance_interval
+        if interval and self.steps % interval == 0:
+            return self.rebalance(trigger="interval")
+        return None
+
+    def rebalance(self, trigger: str = "api") -> RebalanceEvent:
+        """Plan on the recorded window and move weights now (collective over the group)."""
+        t0 = time.perf_counter()
+        logical, gpu = self.recorder.window_load(self.group)  # [L, N], [L, M]
+        load = logical.cpu().numpy().astype(np.float64)  # [L, N]
+        # rank 0 plans and broadcasts: every rank commits the very same placement.
+        # The last element is a status flag so a planning error fails every rank, not one.
+        msg = torch.zeros(self.placement.num_layers * self.placement.num_slots + 1,
+                          dtype=torch.int64, device=self.device)  # [L * P + 1]
+        error = None
+        if self.rank == 0:
+            try:
+                planned = plan(load, self.world_size, self.placement.num_slots, self.config.num_nodes,
+                               self.model.num_expert_groups, self.config.policy, previous=self.placement)
+                msg[:-1].copy_(torch.from_numpy(planned.physical_to_logical.ravel().copy()))
+                msg[-1] = 1
+            except ValueError as e:
+                error = e
+        if self.world_size > 1:
+            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            dist.broadcast(msg, src=src, group=self.group)
+        msg = msg.cpu().numpy()
+        if error is not None:
+            raise error
+        if msg[-1] != 1:
+            raise RuntimeError("rebalance aborted: planning failed on rank 0 (see its log)")
+        p2l = msg[:-1].reshape(self.placement.num_layers, self.placement.num_slots)  # [L, P]
+        new = self.placement.with_physical_to_logical(p2l, self.config.policy)
+        before = balancedness_of_gpu_loads(gpu.cpu().numpy())  # [L]
+        seconds_plan = time.perf_counter() - t0
+        return self.apply_placement(new, trigger, before=before, load=load, seconds_plan=seconds_plan)
+
+    def apply_placement(self, new: Placement, trigger: str = "api", *, before: np.ndarray | None = None,
+                        load: np.ndarray | None = None, seconds_plan: float = 0.0) -> RebalanceEvent:
+        """Move weights to `new` (same on every rank) and commit the maps in place."""
+        old = self.placement
+        if (new.num_layers, new.num_slots, new.num_logical_experts, new.num_gpus) != (
+                old.num_layers, old.num_slots, old.num_logical_experts, old.num_gpus):
+            raise ValueError(f"placement {new} does not fit the running model {old}")
+        t1 = time.perf_counter()
+        result = self.executor.execute(old.physical_to_logical, new.physical_to_logical,
+                                       self.expert_weights, self.group)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        t2 = time.perf_counter()
+        self._write_maps(new)
+        self.placement = new
+        self.recorder.on_placement_change()
+        seconds_commit = time.perf_counter() - t2
+        stats = transfer_stats(old.physical_to_logical, new.physical_to_logical, self.world_size)
+        if load is None:
+            load = np.ones((old.num_layers, old.num_logical_experts))
+        event = RebalanceEvent(
+            step=self.steps, trigger=trigger,
+            balancedness_before=before if before is not None else old.balancedness(load),
+            balancedness_after=new.balancedness(load),
+            experts_moved=stats.experts_moved, local_copies=stats.local_copies,
+            slots_changed=stats.slots_changed, bytes_moved=stats.experts_moved * self.bytes_per_expert,
+            seconds_plan=seconds_plan, seconds_transfer=t2 - t1, seconds_commit=seconds_commit,
+            placement=new,
+        )
+        self.events.append(event)
+        if self.rank == 0:
+            log.info("rebalance at step %d (%s): balancedness %.4f -> %.4f, %d experts moved "
+                     "(%.1f MB) in %.3f s", event.step, trigger, event.balancedness_before.mean(),
+                     event.balancedness_after.mean(), event.experts_moved, event.bytes_moved / 1e6,
+                     event.seconds)
+        for fn in self._listeners:
+            fn(event)
+        return event
+
+    def _write_maps(self, placement: Placement) -> None:
+        """Rewrite the shared maps in place (storage unchanged, so every view sees it)."""
+        self.physical_to_logical.copy_(torch.from_numpy(placement.physical_to_logical.copy()))
+        self.logical_to_physical_map.copy_(
+            torch.from_numpy(placement.logical_to_physical(self.max_replicas)))
+        self.logical_replica_count.copy_(torch.from_numpy(placement.replica_count()))
