@@ -1,0 +1,81 @@
+"""Routing workloads for the demo and benchmarks: which experts are popular at each step.
+
+A workload gives `popularity(step) -> [L, N]` (each row sums to 1). The demo turns it
+into a router selection bias (`log p`), so tokens pick hot experts more often, the way
+real traffic does. Pure numpy.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+DATA_DIR = Path(__file__).parent / "data"
+TRACES = {"esft": DATA_DIR / "esft_dsv2lite_alltasks_per_seq.npz"}
+
+
+class SkewedDriftWorkload:
+    """Zipf-skewed expert popularity whose hot set drifts: every `period` steps the
+    ranking of experts blends smoothly into a new random ranking (a domain shift)."""
+
+    def __init__(self, num_layers: int, num_experts: int, zipf_s: float = 1.2,
+                 period: int = 100, seed: int = 0):
+        self.L, self.N = num_layers, num_experts
+        self.period, self.seed = max(1, period), seed
+        ranks = np.arange(1, num_experts + 1, dtype=np.float64)
+        self.zipf = ranks ** -zipf_s / (ranks ** -zipf_s).sum()  # [N] by popularity rank
+
+    def _ranking(self, phase: int) -> np.ndarray:  # [L, N] popularity rank of each expert
+        rng = np.random.default_rng((self.seed, phase))
+        return np.argsort(rng.random((self.L, self.N)), axis=1)
+
+    def popularity(self, step: int) -> np.ndarray:  # [L, N]
+        phase, frac = divmod(step, self.period)
+        w = frac / self.period
+        w = w * w * (3 - 2 * w)  # smoothstep: gentle drift, then a new regime
+        a = self.zipf[self._ranking(phase)]  # [L, N]
+        b = self.zipf[self._ranking(phase + 1)]  # [L, N]
+        return (1 - w) * a + w * b
+
+
+class TraceWorkload:
+    """Replays a measured `[T, L, N]` trace of expert counts: step t uses the sum of
+    `window` consecutive entries starting at t (wrapping); model layer l uses trace
+    layer l % L_trace."""
+
+    def __init__(self, trace: np.ndarray, num_layers: int, num_experts: int, window: int = 1):
+        trace = np.asarray(trace, dtype=np.float64)
+        if trace.ndim != 3:
+            raise ValueError(f"trace must be [T, L, N], got shape {trace.shape}")
+        if trace.shape[2] != num_experts:
+            raise ValueError(f"trace has {trace.shape[2]} experts but the model has {num_experts}; "
+                             f"run with --experts {trace.shape[2]}")
+        if not np.isfinite(trace).all() or (trace < 0).any():
+            raise ValueError("trace holds NaN, inf or negative counts")
+        self.trace, self.L, self.window = trace, num_layers, max(1, window)
+
+    def popularity(self, step: int) -> np.ndarray:  # [L, N]
+        T, Lt, _ = self.trace.shape
+        idx = (step + np.arange(self.window)) % T
+        counts = self.trace[idx].sum(0)[np.arange(self.L) % Lt] + 1e-3  # [L, N]
+        return counts / counts.sum(1, keepdims=True)
+
+
+def load_trace(name_or_path: str) -> np.ndarray:  # [T, L, N]
+    """A packaged trace by name (see TRACES) or a `.npy`/`.npz` file holding `[T, L, N]`."""
+    path = TRACES.get(name_or_path, Path(name_or_path))
+    if not path.is_file():
+        raise ValueError(f"trace not found: {name_or_path} (packaged: {', '.join(TRACES)})")
+    try:
+        data = np.load(path, allow_pickle=False)
+        arr = data[data.files[0]] if hasattr(data, "files") else data
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path}: not a readable .npy/.npz trace ({e})") from None
+    if arr.ndim != 3:
+        raise ValueError(f"{path}: trace must be [T, L, N], got shape {arr.shape}")
+    return arr.astype(np.float64)
+
+
+def routing_bias(popularity: np.ndarray, strength: float = 1.0) -> np.ndarray:  # [L, N]
+    """Selection bias that makes top-k routing favour popular experts: strength * log p."""
+    return strength * np.log(np.maximum(popularity, 1e-9))
