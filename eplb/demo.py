@@ -97,12 +97,14 @@ def build(a: argparse.Namespace, group, device: torch.device):
 
 
 def verify(args, model, reference, runtime, x: torch.Tensor) -> tuple[float, int]:
-    """(largest |EP output - dense reference| on this rank's batch,
-        slots whose weights differ bitwise from their logical expert's)."""
+    """(largest |EP output - dense reference| on this rank's batch, divided by the largest
+        |reference| when that exceeds 1; slots whose weights differ bitwise from their
+        logical expert's)."""
     from moe import expert_weights_for
 
     with torch.no_grad():
-        diff = (model(x).float() - reference(x).float()).abs().max().item()
+        want = reference(x).float()
+        diff = (model(x).float() - want).abs().max().item() / max(1.0, want.abs().max().item())
     S = runtime.model.num_local_physical_experts
     p2l = runtime.placement.physical_to_logical  # [L, P]
     bad = 0
@@ -168,9 +170,9 @@ def run(a: argparse.Namespace) -> int:
                 diff, bad = float(t[0]), int(t[1])
                 rec["rebalance"]["verify_max_abs_diff"] = diff
                 rec["rebalance"]["verify_bad_slots"] = bad
-                tol = 1e-4 if args.dtype == torch.float32 else 5e-2
+                tol = 1e-4 if args.dtype == torch.float32 else 2e-2  # bf16: ~3 significant digits
                 ok = bad == 0 and diff <= tol
-                line += f" | verify: max |diff| {diff:.2e}, bad slots {bad} {'OK' if ok else 'FAILED'}"
+                line += f" | verify: max |diff| {diff:.1e}, bad slots {bad} {'OK' if ok else 'FAILED'}"
                 if not ok:
                     if rank == 0:
                         bar.write(line)

@@ -45,7 +45,12 @@ def _entry(rank, world_size, port, fn, args):
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> None:
     """Spawn `world_size` ranks running `fn(rank, world_size, *args)`; re-raise the first
-    failure in the parent and kill every rank if the whole run exceeds `timeout` seconds."""
+    failure in the parent and kill every rank if the whole run exceeds `timeout` seconds.
+    Under NCCL a run needing more GPUs than the machine has is skipped (gloo never is)."""
+    if BACKEND == "nccl" and torch.cuda.device_count() < world_size:
+        import pytest
+
+        pytest.skip(f"needs {world_size} GPUs for NCCL, {torch.cuda.device_count()} visible")
     ctx = mp.start_processes(_entry, args=(world_size, free_port(), fn, args),
                              nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
