@@ -35,7 +35,7 @@ def _positive(name: str):
 def cmd_demo(a: argparse.Namespace) -> int:
     import torch
 
-    from eplb.demo import check_demo_arguments
+    from eplb.demo import check_demo_arguments, setup
     from eplb.launch import launch
 
     check_demo_arguments(a)
@@ -48,17 +48,17 @@ def cmd_demo(a: argparse.Namespace) -> int:
             raise ValueError(f"--nproc {nproc}: only {n} CUDA devices are visible")
     else:
         nproc = a.nproc or 4
+    setup(a, nproc)  # bad sizes or trace: one line here, before any rank starts
     forwarded = a.argv[a.argv.index("demo") + 1:]
-    # strip --nproc (the launcher's, not the rank's)
+    # strip --nproc (the launcher's, not the rank's), also as argparse's abbreviations --np, ...
     out, skip = [], False
     for arg in forwarded:
         if skip:
             skip = False
             continue
-        if arg == "--nproc":
-            skip = True
-            continue
-        if arg.startswith("--nproc="):
+        name = arg.split("=", 1)[0]
+        if len(name) >= 3 and "--nproc".startswith(name):
+            skip = "=" not in arg
             continue
         out.append(arg)
     return launch("eplb.demo", out, nproc)

@@ -42,6 +42,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", metavar="NAME|PATH",
                    help="replay a measured [T, L, N] trace ('esft' is packaged) instead of "
                         "the synthetic drifting workload")
+    p.add_argument("--trace-window", type=int, default=8,
+                   help="trace entries (sequences) summed per step, sliding by one (default 8)")
     p.add_argument("--layers", type=int, default=4, help="MoE layers (default 4)")
     p.add_argument("--experts", type=int, default=None,
                    help="routed experts per layer (default 32; 64 with --trace esft)")
@@ -62,9 +64,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_demo_arguments(a: argparse.Namespace) -> None:
     """Fill defaults and reject impossible values with a one-line ValueError."""
-    for name in ("steps", "layers", "hidden", "intermediate", "tokens", "groups"):
+    for name in ("steps", "layers", "hidden", "intermediate", "tokens", "groups", "trace_window"):
         if getattr(a, name) < 1:
-            raise ValueError(f"--{name}: must be >= 1, got {getattr(a, name)}")
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(a, name)}")
     if a.rebalance_every < 0:
         raise ValueError(f"--rebalance-every: must be >= 0 (0 = never), got {a.rebalance_every}")
     a.experts = a.experts or (64 if a.trace else 32)
@@ -72,11 +74,11 @@ def check_demo_arguments(a: argparse.Namespace) -> None:
     a.window = a.window or max(1, a.rebalance_every)
 
 
-def build(a: argparse.Namespace, group, device: torch.device):
-    """Model, runtime, dense reference (for --verify) and workload for this rank."""
-    from moe import DenseMoEModel, MoEArgs, MoEModel
+def setup(a: argparse.Namespace, world: int):
+    """EPLB config, model args and workload for `world` ranks; a one-line ValueError on bad
+    input. Needs no process group: `eplb demo` calls it before launching any rank."""
+    from moe import MoEArgs
 
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
     redundant = world if a.redundant is None else a.redundant
     config = EplbConfig(num_redundant_experts=redundant, window_size=a.window,
                         rebalance_interval=a.rebalance_every, policy=a.policy)
@@ -85,14 +87,23 @@ def build(a: argparse.Namespace, group, device: torch.device):
                    num_experts=a.experts, top_k=a.top_k, num_redundant_experts=redundant,
                    num_expert_groups=a.groups, topk_groups=max(1, a.groups // 2) if a.groups > 1 else 1,
                    dtype=a.dtype, seed=a.seed).validate(world)
-    model = MoEModel(args, group=group, device=device)
-    runtime = EplbRuntime(model, config, group=group)
-    reference = DenseMoEModel(args, device=device) if a.verify else None
     if a.trace:
-        workload = TraceWorkload(load_trace(a.trace), a.layers, a.experts, window=1)
+        workload = TraceWorkload(load_trace(a.trace), a.layers, a.experts, window=a.trace_window)
     else:
         workload = SkewedDriftWorkload(a.layers, a.experts, zipf_s=a.skew,
                                        period=a.drift_period, seed=a.seed)
+    return config, args, workload
+
+
+def build(a: argparse.Namespace, group, device: torch.device):
+    """Model, runtime, dense reference (for --verify) and workload for this rank."""
+    from moe import DenseMoEModel, MoEModel
+
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    config, args, workload = setup(a, world)
+    model = MoEModel(args, group=group, device=device)
+    runtime = EplbRuntime(model, config, group=group)
+    reference = DenseMoEModel(args, device=device) if a.verify else None
     return args, model, runtime, reference, workload
 
 
@@ -156,6 +167,9 @@ def run(a: argparse.Namespace) -> int:
                 "trigger": event.trigger, "experts_moved": event.experts_moved,
                 "local_copies": event.local_copies, "bytes_moved": event.bytes_moved,
                 "seconds": round(event.seconds, 6),
+                "seconds_plan": round(event.seconds_plan, 6),
+                "seconds_transfer": round(event.seconds_transfer, 6),
+                "seconds_commit": round(event.seconds_commit, 6),
                 "balancedness_before": event.balancedness_before.round(5).tolist(),
                 "balancedness_after_predicted": event.balancedness_after.round(5).tolist(),
             }
@@ -226,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_demo_arguments(a)
     except ValueError as e:
-        print(f"eplb demo: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank fails alike: one message
+            print(f"eplb demo: error: {e}", file=sys.stderr)
         return 2
     if a.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -38,14 +38,16 @@ class ProgressBar:
                           f"{rate:.1f} it/s {self.suffix}{end}")
         self.stream.flush()
 
-    def write(self, line: str) -> None:
-        """Print a line above the bar without garbling it."""
+    def write(self, line: str, out=None) -> None:
+        """Print a result line to `out` (default stdout) above the bar without garbling it."""
+        out = out or sys.stdout
         if self.tty:
             self.stream.write("\r\033[K")
-        self.stream.write(line + "\n")
+            self.stream.flush()
+        out.write(line + "\n")
+        out.flush()
         if self.tty:
             self._draw(self.done / self.total, end="")
-        self.stream.flush()
 
     def close(self) -> None:
         if self.tty:

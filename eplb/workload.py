@@ -47,6 +47,8 @@ class TraceWorkload:
         trace = np.asarray(trace, dtype=np.float64)
         if trace.ndim != 3:
             raise ValueError(f"trace must be [T, L, N], got shape {trace.shape}")
+        if 0 in trace.shape:
+            raise ValueError(f"trace is empty: shape {trace.shape}")
         if trace.shape[2] != num_experts:
             raise ValueError(f"trace has {trace.shape[2]} experts but the model has {num_experts}; "
                              f"run with --experts {trace.shape[2]}")
@@ -68,11 +70,19 @@ def load_trace(name_or_path: str) -> np.ndarray:  # [T, L, N]
         raise ValueError(f"trace not found: {name_or_path} (packaged: {', '.join(TRACES)})")
     try:
         data = np.load(path, allow_pickle=False)
-        arr = data[data.files[0]] if hasattr(data, "files") else data
-    except (ValueError, OSError) as e:
+        if hasattr(data, "files"):
+            if not data.files:
+                raise ValueError("the .npz holds no array")
+            arr = data[data.files[0]]
+            data.close()
+        else:
+            arr = data
+    except (ValueError, OSError, EOFError) as e:
         raise ValueError(f"{path}: not a readable .npy/.npz trace ({e})") from None
     if arr.ndim != 3:
         raise ValueError(f"{path}: trace must be [T, L, N], got shape {arr.shape}")
+    if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+        raise ValueError(f"{path}: trace must hold counts (integers or floats), got dtype {arr.dtype}")
     return arr.astype(np.float64)
 
 

@@ -1,0 +1,194 @@
+"""The demo job as users run it: real rank processes on 127.0.0.1 (gloo), started by
+`eplb demo` or by plain torchrun; results, JSON records, one-line errors, failing ranks."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+_SCRIPT = Path(sys.executable).parent / "eplb"
+# the installed console script when there is one, else the same entry point by module
+EPLB = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "eplb.cli"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+SMALL = ["--layers", "2", "--experts", "8", "--tokens", "32", "--hidden", "32",
+         "--intermediate", "32"]
+
+
+def env(**extra: str) -> dict:
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    e.update(extra)
+    return e
+
+
+def run(cmd: list[str], timeout: float = 240, **extra_env: str) -> subprocess.CompletedProcess:
+    """Run `cmd` in its own process group; on timeout kill the whole group (every rank)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env(**extra_env), cwd=ROOT, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def check_records(path: Path, steps: int, layers: int) -> list[dict]:
+    d = json.loads(path.read_text())
+    records = d["steps"]
+    assert [r["step"] for r in records] == list(range(steps))
+    for r in records:
+        for key in ("balancedness", "balancedness_static"):
+            assert len(r[key]) == layers
+            assert all(0 < b <= 1 for b in r[key]), r
+    return records
+
+
+def test_demo_verify_json(tmp_path):
+    out = tmp_path / "demo.json"
+    r = run(EPLB + ["demo", "--nproc", "2", "--steps", "24", "--rebalance-every", "8", "--verify",
+                    "--json", str(out), "--layers", "2", "--experts", "8", "--tokens", "64"])
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    records = check_records(out, steps=24, layers=2)
+    events = [(rec["step"], rec["rebalance"]) for rec in records if rec["rebalance"]]
+    assert [s for s, _ in events] == [7, 15, 23]
+    for _, e in events:
+        assert e["trigger"] == "interval"
+        assert isinstance(e["experts_moved"], int) and e["experts_moved"] >= 0
+        assert isinstance(e["bytes_moved"], int) and e["bytes_moved"] >= 0
+        assert e["seconds"] >= 0
+        assert len(e["balancedness_before"]) == 2 and len(e["balancedness_after_predicted"]) == 2
+        assert e["verify_max_abs_diff"] <= 1e-4
+        assert e["verify_bad_slots"] == 0
+    moved = sum(e["experts_moved"] for _, e in events)
+    assert moved > 0 and sum(e["bytes_moved"] for _, e in events) > 0
+    # bytes are whole experts: SwiGLU w13 [2I, H] + w2 [H, I] in float32, H = I = 64 (defaults)
+    for _, e in events:
+        assert e["bytes_moved"] == e["experts_moved"] * 3 * 64 * 64 * 4
+    d = json.loads(out.read_text())
+    assert d["args"]["steps"] == 24 and d["args"]["verify"] is True
+
+    # results on stdout: one line per rebalance with its verification, then the summary
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("step ") and " rebalance:" in ln]
+    assert len(lines) == 3, r.stdout
+    assert all("verify" in ln and ln.rstrip().endswith("OK") for ln in lines), lines
+    assert "2 ranks on cpu" in r.stdout
+    assert "24 steps in" in r.stdout and "3 rebalances" in r.stdout
+    assert f"{moved} experts moved" in r.stdout
+    assert f"wrote {out}" in r.stdout
+
+
+def test_demo_under_plain_torchrun(tmp_path):
+    out = tmp_path / "torchrun.json"
+    r = run(TORCHRUN + ["--standalone", "--nproc-per-node", "2", "-m", "eplb.demo",
+                        "--steps", "12", "--rebalance-every", "6", "--layers", "2", "--experts", "8",
+                        "--tokens", "32", "--json", str(out)])
+    assert r.returncode == 0, r.stderr
+    records = check_records(out, steps=12, layers=2)
+    assert [rec["step"] for rec in records if rec["rebalance"]] == [5, 11]
+    assert "2 ranks on cpu" in r.stdout and "12 steps in" in r.stdout
+
+
+def test_demo_trace_replay(tmp_path):
+    out = tmp_path / "trace.json"
+    r = run(EPLB + ["demo", "--trace", "esft", "--experts", "64", "--layers", "2", "--nproc", "2",
+                    "--steps", "12", "--rebalance-every", "6", "--tokens", "64", "--hidden", "32",
+                    "--intermediate", "32", "--json", str(out)])
+    assert r.returncode == 0, r.stderr
+    assert "workload=trace esft" in r.stdout and "(top-6)" in r.stdout
+    records = check_records(out, steps=12, layers=2)
+    assert sum(rec["rebalance"] is not None for rec in records) == 2
+
+
+def test_demo_nproc_abbreviation_is_not_forwarded_to_ranks(tmp_path):
+    """argparse accepts --np for --nproc; the launcher must not pass it on to the ranks."""
+    r = run(EPLB + ["demo", "--np=2", "--steps", "2", "--rebalance-every", "0", *SMALL])
+    assert r.returncode == 0, r.stderr
+    assert "2 ranks on cpu" in r.stdout and "usage" not in r.stderr
+
+
+def test_demo_bad_input_exits_2_with_one_line(tmp_path):
+    flat = tmp_path / "flat.npy"
+    np.save(flat, np.ones((4, 8)))
+    cases = [
+        (["--redundant", "1", "--nproc", "2", "--experts", "8"], {}, "num_redundant_experts"),
+        (["--trace", "/no/such.npy", "--nproc", "2"], {}, "not found"),
+        (["--trace", "esft", "--experts", "32", "--nproc", "2"], {}, "--experts 64"),
+        (["--trace", str(flat), "--experts", "8", "--nproc", "2"], {}, "[T, L, N]"),
+        # no CUDA device is visible, on this machine or (hidden) on a GPU machine
+        (["--device", "cuda"], {"CUDA_VISIBLE_DEVICES": ""}, "no CUDA device"),
+    ]
+    for args, extra, needle in cases:
+        t0 = time.monotonic()
+        r = run(EPLB + ["demo", "--steps", "4", "--layers", "2", *args], timeout=120, **extra)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2, (args, r.stderr)
+        assert len(lines) == 1, (args, r.stderr)
+        assert lines[0].startswith("eplb demo: error: ") and needle in lines[0], (args, lines)
+        assert "Traceback" not in r.stderr and r.stdout == "", (args, r.stdout)
+        assert time.monotonic() - t0 < 60, args
+
+
+def test_torchrun_bad_input_is_reported_once():
+    """Under torchrun every rank sees the same bad input; only rank 0 reports it (torchrun adds
+    its own failure summary, which is not ours to shape)."""
+    for args, needle in [(["--steps", "0"], "--steps"),
+                         (["--redundant", "1", "--experts", "8"], "num_redundant_experts")]:
+        r = run(TORCHRUN + ["--standalone", "--nproc-per-node", "2", "-m", "eplb.demo",
+                            "--layers", "2", *args], timeout=120)
+        assert r.returncode != 0
+        ours = [ln for ln in r.stderr.splitlines() if ln.startswith("eplb demo: error: ")]
+        assert len(ours) == 1 and needle in ours[0], r.stderr
+
+
+# Loaded at start-up of every Python process whose PYTHONPATH holds its directory: records
+# each rank's pid, and makes the rank EPLB_TEST_FAIL_RANK exit with status 3 once rank 0 is up,
+# before it joins the process group (so rank 0 waits for it in rendezvous indefinitely).
+SITECUSTOMIZE = textwrap.dedent("""
+    import os, time
+    _rank, _dir = os.environ.get("RANK"), os.environ.get("EPLB_TEST_HOOK_DIR")
+    if _rank is not None and _dir:
+        _tmp = os.path.join(_dir, "rank%s.tmp" % _rank)
+        with open(_tmp, "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(_tmp, os.path.join(_dir, "rank%s.pid" % _rank))
+        if _rank == os.environ.get("EPLB_TEST_FAIL_RANK"):
+            _deadline = time.monotonic() + 60
+            while not os.path.exists(os.path.join(_dir, "rank0.pid")) and time.monotonic() < _deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)
+            os.write(2, b"injected failure\\n")
+            os._exit(3)
+""")
+
+
+def test_failing_rank_stops_the_others(tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    pythonpath = os.pathsep.join(p for p in (str(hook), str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    t0 = time.monotonic()
+    r = run(EPLB + ["demo", "--nproc", "2", "--steps", "100000", *SMALL], timeout=180,
+            PYTHONPATH=pythonpath, EPLB_TEST_HOOK_DIR=str(hook), EPLB_TEST_FAIL_RANK="1")
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 3, (r.returncode, r.stderr)  # the failing rank's status
+    assert "injected failure" in r.stderr
+    assert "steps in" not in r.stdout  # the job did not run to the end
+    assert elapsed < 90
+    pid0 = int((hook / "rank0.pid").read_text())
+    try:
+        os.kill(pid0, 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    assert not alive, f"rank 0 (pid {pid0}) is still running"
