@@ -27,6 +27,14 @@ class EplbConfig:
     """Nodes the EP ranks span; None = read from torchrun's environment."""
     initial_placement: str | None = None
     """Optional placement file (.json/.npy/.pt) to move to when the runtime starts."""
+    load_decay: float = 1.0
+    """Weight of a step k steps before the newest one in the window: load_decay**k
+    (1.0 = plain window sum; smaller values follow drift faster)."""
+    move_tolerance: float = 0.02
+    """Relative extra predicted imbalance the planner accepts to keep experts where they
+    are (0 = best balance whatever it moves; larger = fewer moves)."""
+    weighted_replicas: bool = False
+    """Let the planner give replicas unequal shares of their expert's tokens."""
 
     def verify(self, num_logical_experts: int, num_gpus: int,
                num_physical_experts: int | None = None) -> "EplbConfig":
@@ -56,6 +64,10 @@ class EplbConfig:
             raise ValueError(
                 f"rebalance_interval must be an int >= 0 (0 = only on request), got {self.rebalance_interval!r}"
             )
+        if not isinstance(self.load_decay, (int, float)) or not 0 < self.load_decay <= 1:
+            raise ValueError(f"load_decay must be in (0, 1], got {self.load_decay!r}")
+        if not isinstance(self.move_tolerance, (int, float)) or not 0 <= self.move_tolerance < 10:
+            raise ValueError(f"move_tolerance must be in [0, 10), got {self.move_tolerance!r}")
         if self.policy not in available_policies():
             raise ValueError(f"policy={self.policy!r} is unknown; choose one of {available_policies()}")
         if self.initial_placement is not None and not os.path.isfile(self.initial_placement):

@@ -23,6 +23,9 @@ class Placement:
     num_gpus: int  # M
     num_nodes: int = 1
     policy: str = ""
+    shares: np.ndarray | None = None  # [L, P] float64 or None (= even split over replicas)
+    """Weighted replicas: the fraction of its logical expert's tokens each slot receives;
+    over the replicas of one expert the shares sum to 1. None means an even split."""
 
     def __post_init__(self) -> None:
         p2l = np.asarray(self.physical_to_logical)
@@ -34,6 +37,10 @@ class Placement:
         p2l = np.ascontiguousarray(p2l, dtype=np.int64)
         p2l.setflags(write=False)
         object.__setattr__(self, "physical_to_logical", p2l)
+        if self.shares is not None:
+            sh = np.ascontiguousarray(self.shares, dtype=np.float64)
+            sh.setflags(write=False)
+            object.__setattr__(self, "shares", sh)
         self.validate()
 
     # ---- sizes -------------------------------------------------------------------
@@ -81,6 +88,19 @@ class Placement:
         if (counts == 0).any():
             layer, expert = np.argwhere(counts == 0)[0]
             raise ValueError(f"layer {layer}: expert {expert} has no replica")
+        if self.shares is not None:
+            sh = self.shares
+            if sh.shape != p2l.shape:
+                raise ValueError(f"shares must have the shape of physical_to_logical {p2l.shape}, "
+                                 f"got {sh.shape}")
+            if not np.isfinite(sh).all() or (sh < 0).any():
+                raise ValueError("shares must be finite and >= 0")
+            total = np.zeros((L, N))
+            np.add.at(total, (np.repeat(np.arange(L), P), p2l.ravel()), sh.ravel())
+            if not np.allclose(total, 1.0, atol=1e-6):
+                layer, expert = np.argwhere(~np.isclose(total, 1.0, atol=1e-6))[0]
+                raise ValueError(f"layer {layer}: shares of expert {expert} sum to "
+                                 f"{total[layer, expert]:.6g}, not 1")
 
     # ---- derived maps ------------------------------------------------------------
     def replica_count(self) -> np.ndarray:  # [L, N]
@@ -108,13 +128,25 @@ class Placement:
     def gpu_of_slot(self) -> np.ndarray:  # [P]
         return np.arange(self.num_slots) // self.slots_per_gpu
 
-    def gpu_loads(self, load: np.ndarray) -> np.ndarray:  # [L, M]
-        """Tokens per GPU when each expert's load `[L, N]` splits evenly over its replicas."""
-        load = np.asarray(load, dtype=np.float64)
+    def slot_shares(self) -> np.ndarray:  # [L, P]
+        """Each slot's fraction of its expert's tokens (explicit even split when shares is None)."""
+        if self.shares is not None:
+            return self.shares
         p2l = self.physical_to_logical
-        per_slot = np.take_along_axis(load, p2l, 1) / np.take_along_axis(
-            self.replica_count(), p2l, 1
-        )  # [L, P]
+        return 1.0 / np.take_along_axis(self.replica_count(), p2l, 1)
+
+    def replica_shares(self, max_replicas: int | None = None) -> np.ndarray:  # [L, N, R]
+        """Shares ordered like `logical_to_physical(max_replicas)`, 0 where padded."""
+        l2p = self.logical_to_physical(max_replicas)  # [L, N, R]
+        sh = self.slot_shares()  # [L, P]
+        out = np.take_along_axis(sh[:, :, None], np.maximum(l2p, 0).reshape(self.num_layers, -1, 1), 1)
+        return np.where(l2p >= 0, out.reshape(l2p.shape), 0.0)
+
+    def gpu_loads(self, load: np.ndarray) -> np.ndarray:  # [L, M]
+        """Tokens per GPU when each expert's load `[L, N]` splits over its replicas by
+        `shares` (evenly when shares is None)."""
+        load = np.asarray(load, dtype=np.float64)
+        per_slot = np.take_along_axis(load, self.physical_to_logical, 1) * self.slot_shares()  # [L, P]
         return per_slot.reshape(self.num_layers, self.num_gpus, self.slots_per_gpu).sum(-1)
 
     def balancedness(self, load: np.ndarray) -> np.ndarray:  # [L]
@@ -135,6 +167,7 @@ class Placement:
             and self.num_logical_experts == other.num_logical_experts
             and self.num_gpus == other.num_gpus
             and np.array_equal(self.physical_to_logical, other.physical_to_logical)
+            and np.allclose(self.slot_shares(), other.slot_shares(), rtol=0, atol=1e-12)
         )
 
     def __repr__(self) -> str:
@@ -151,8 +184,9 @@ class Placement:
         p2l = np.tile(np.arange(num_slots) % num_logical_experts, (num_layers, 1))
         return cls(p2l, num_logical_experts, num_gpus, num_nodes, policy="initial")
 
-    def with_physical_to_logical(self, p2l: np.ndarray, policy: str = "") -> "Placement":
-        return Placement(p2l, self.num_logical_experts, self.num_gpus, self.num_nodes, policy)
+    def with_physical_to_logical(self, p2l: np.ndarray, policy: str = "",
+                                 shares: np.ndarray | None = None) -> "Placement":
+        return Placement(p2l, self.num_logical_experts, self.num_gpus, self.num_nodes, policy, shares)
 
     # ---- I/O ---------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -165,6 +199,7 @@ class Placement:
             "num_layers": self.num_layers,
             "num_slots": self.num_slots,
             "policy": self.policy,
+            **({"shares": self.shares.tolist()} if self.shares is not None else {}),
         }
 
     @classmethod
@@ -184,7 +219,13 @@ class Placement:
         m = d.get("num_gpus", num_gpus)
         if m is None:
             raise ValueError("placement lacks 'num_gpus'")
-        return cls(p2l, int(n), int(m), int(d.get("num_nodes", 1)), str(d.get("policy", "")))
+        shares = d.get("shares")
+        if shares is not None:
+            try:
+                shares = np.asarray(shares, dtype=np.float64)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"shares is not a rectangular list of numbers: {e}") from None
+        return cls(p2l, int(n), int(m), int(d.get("num_nodes", 1)), str(d.get("policy", "")), shares)
 
     def save(self, path: str | Path) -> None:
         """Write JSON (`.json`), a bare `[L, P]` array (`.npy`) or a tensor dict (`.pt`)."""
@@ -196,6 +237,8 @@ class Placement:
 
             d = self.to_dict()
             d["physical_to_logical"] = torch.from_numpy(self.physical_to_logical.copy())
+            if self.shares is not None:
+                d["shares"] = torch.from_numpy(self.shares.copy())
             torch.save(d, path)
         else:
             path.write_text(json.dumps(self.to_dict()) + "\n")
@@ -219,8 +262,8 @@ class Placement:
                 d = torch.load(path, map_location="cpu", weights_only=True)
             except Exception as e:  # unpickling errors come in many types
                 raise ValueError(f"{path}: not a readable placement .pt file ({e.__class__.__name__})") from None
-            if isinstance(d, dict) and hasattr(d.get("physical_to_logical"), "numpy"):
-                d = dict(d, physical_to_logical=d["physical_to_logical"].numpy())
+            if isinstance(d, dict):
+                d = {k: v.numpy() if hasattr(v, "numpy") else v for k, v in d.items()}
         else:
             try:
                 d = json.loads(path.read_text())
