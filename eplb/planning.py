@@ -13,7 +13,7 @@ import numpy as np
 
 from eplb.loadio import as_load
 from eplb.placement import Placement
-from eplb.policy import get_policy
+from eplb.policy import PolicyOptions, get_policy
 
 
 def plan(
@@ -24,12 +24,17 @@ def plan(
     num_groups: int = 1,
     policy: str = "default",
     previous: Placement | None = None,
+    *,
+    move_tolerance: float = 0.02,
+    weighted: bool = False,
 ) -> Placement:
     """Compute a placement for `load` ([L, N] or [T, L, N], numpy or torch; T is summed).
 
     num_slots (P) physical slots per layer spread evenly over num_gpus (M) GPUs on
     num_nodes nodes; num_groups expert groups (DeepSeek's node-limited routing groups).
-    `previous` is the placement in use, for policies that limit movement.
+    `previous` is the placement in use, for policies that limit movement;
+    `move_tolerance` is how much extra relative imbalance such a policy may accept to keep
+    experts in place; `weighted` asks for per-slot shares (weighted replicas).
     """
     fn = get_policy(policy)  # unknown names fail before any work
     load = as_load(load)  # [L, N] float64
@@ -42,15 +47,22 @@ def plan(
     if previous is not None:
         _check_previous(previous, num_layers, num_experts, num_gpus, num_slots)
 
+    if not isinstance(move_tolerance, (int, float)) or not 0 <= move_tolerance < 10:
+        raise ValueError(f"move_tolerance must be in [0, 10), got {move_tolerance!r}")
+    options = PolicyOptions(move_tolerance=float(move_tolerance), weighted=bool(weighted))
+
     load.setflags(write=False)  # a policy must not edit its input
-    out = fn(load, num_slots, num_gpus, num_nodes, num_groups, previous)
+    out = fn(load, num_slots, num_gpus, num_nodes, num_groups, previous, options)
+    shares = None
+    if isinstance(out, tuple):  # (physical_to_logical [L, P], shares [L, P])
+        out, shares = out
     p2l = np.asarray(out)  # [L, P]
     if p2l.shape != (num_layers, num_slots):
         raise ValueError(
             f"policy {policy!r} returned shape {p2l.shape}, expected [L, P] = {(num_layers, num_slots)}"
         )
     try:
-        return Placement(p2l, num_experts, num_gpus, num_nodes, policy=policy)
+        return Placement(p2l, num_experts, num_gpus, num_nodes, policy=policy, shares=shares)
     except ValueError as e:
         raise ValueError(f"policy {policy!r} returned an invalid placement: {e}") from None
 

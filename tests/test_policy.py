@@ -138,11 +138,11 @@ def test_registry():
 
 def test_custom_policy_output_is_checked():
     @register_policy("_test_bad")
-    def bad(load, num_slots, num_gpus, num_nodes, num_groups, previous):
+    def bad(load, num_slots, num_gpus, num_nodes, num_groups, previous, options):
         return np.zeros((load.shape[0], num_slots), dtype=np.int64)  # only expert 0
 
     @register_policy("_test_shape")
-    def wrong_shape(load, num_slots, num_gpus, num_nodes, num_groups, previous):
+    def wrong_shape(load, num_slots, num_gpus, num_nodes, num_groups, previous, options):
         return np.zeros((1, 1), dtype=np.int64)
 
     try:

@@ -6,13 +6,22 @@ its inputs before the call and validates its output after, so a policy does neit
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol, Union
 
 import numpy as np
 import torch
 
 from eplb.placement import Placement
 from eplb.policy import deepseek
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """Knobs every policy receives (a policy may ignore what it does not support)."""
+
+    move_tolerance: float = 0.02  # extra relative imbalance accepted to keep experts in place
+    weighted: bool = False  # return (physical_to_logical, shares) with per-slot shares
 
 
 class PolicyFn(Protocol):
@@ -24,7 +33,9 @@ class PolicyFn(Protocol):
         num_nodes: int,
         num_groups: int,  # N % num_groups == 0
         previous: Optional[Placement],  # current placement, same L, N, P, M; or None
-    ) -> np.ndarray:  # [L, P] int64 physical_to_logical
+        options: PolicyOptions,
+    ) -> Union[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        # [L, P] int64 physical_to_logical, or (that, shares [L, P] float64)
         ...
 
 
@@ -57,7 +68,7 @@ def get_policy(name: str) -> PolicyFn:
 
 
 @register_policy("deepseek")
-def deepseek_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous):
+def deepseek_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options=None):
     """DeepSeek EPLB as published (see `eplb.policy.deepseek`); ignores `previous`."""
     phy2log, _, _ = deepseek.rebalance_experts(
         torch.tensor(load, dtype=torch.float64), num_slots, num_groups, num_nodes, num_gpus
@@ -66,11 +77,11 @@ def deepseek_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous):
 
 
 @register_policy("default")
-def default_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous):
+def default_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options=None):
     """For now exactly the `deepseek` policy, so it inherits its faults: replicas of one
     expert may share a GPU and `previous` is ignored (every rebalance may move everything).
     A later issue replaces it with a better planner."""
-    return deepseek_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous)
+    return deepseek_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options)
 
 
-__all__ = ["PolicyFn", "register_policy", "get_policy", "available_policies"]
+__all__ = ["PolicyFn", "PolicyOptions", "register_policy", "get_policy", "available_policies"]
