@@ -35,6 +35,9 @@ class EplbConfig:
     are (0 = best balance whatever it moves; larger = fewer moves)."""
     weighted_replicas: bool = False
     """Let the planner give replicas unequal shares of their expert's tokens."""
+    control_interval: int = 10
+    """Every this many steps the ranks agree (one-int all-reduce on a CPU group) whether
+    anyone asked for a rebalance (`request_rebalance()`, HTTP); 0 = never check."""
 
     def verify(self, num_logical_experts: int, num_gpus: int,
                num_physical_experts: int | None = None) -> "EplbConfig":
@@ -68,6 +71,9 @@ class EplbConfig:
             raise ValueError(f"load_decay must be in (0, 1], got {self.load_decay!r}")
         if not isinstance(self.move_tolerance, (int, float)) or not 0 <= self.move_tolerance < 10:
             raise ValueError(f"move_tolerance must be in [0, 10), got {self.move_tolerance!r}")
+        if not isinstance(self.control_interval, int) or self.control_interval < 0:
+            raise ValueError(f"control_interval must be an int >= 0 (0 = ignore requests), "
+                             f"got {self.control_interval!r}")
         if self.policy not in available_policies():
             raise ValueError(f"policy={self.policy!r} is unknown; choose one of {available_policies()}")
         if self.initial_placement is not None and not os.path.isfile(self.initial_placement):

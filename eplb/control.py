@@ -1,0 +1,94 @@
+"""Rebalance requests from outside the step loop (HTTP, another thread) and how all
+ranks agree to act on them at the same step boundary.
+
+Any thread may call `RebalanceRequests.request()`; the step loop of every rank calls
+`agree()` (a one-integer all-reduce on a CPU/gloo group, so no GPU synchronisation), and
+when any rank holds a pending request all ranks rebalance at that same step.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class RequestStatus:
+    id: int
+    trigger: str
+    state: str = "pending"  # pending -> running -> done | failed
+    requested_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    step: int | None = None
+    result: dict | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RebalanceRequests:
+    """Thread-safe record of requested rebalances and their outcomes (newest `keep` kept)."""
+
+    def __init__(self, keep: int = 256):
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._all: dict[int, RequestStatus] = {}
+        self._keep = keep
+
+    def request(self, trigger: str = "api") -> int:
+        with self._lock:
+            rid = next(self._ids)
+            self._all[rid] = RequestStatus(rid, trigger)
+            for old in sorted(self._all)[:-self._keep]:
+                if self._all[old].state in ("done", "failed"):
+                    del self._all[old]
+            return rid
+
+    def has_pending(self) -> bool:
+        with self._lock:
+            return any(s.state == "pending" for s in self._all.values())
+
+    def start(self, step: int) -> list[int]:
+        """Mark every pending request as running at `step`; return their ids."""
+        with self._lock:
+            ids = [i for i, s in self._all.items() if s.state == "pending"]
+            for i in ids:
+                self._all[i].state, self._all[i].step = "running", step
+            return ids
+
+    def finish(self, ids: list[int], result: dict | None = None, error: str | None = None) -> None:
+        with self._lock:
+            for i in ids:
+                s = self._all[i]
+                s.state = "failed" if error else "done"
+                s.result, s.error, s.finished_at = result, error, time.time()
+
+    def status(self, rid: int) -> dict | None:
+        with self._lock:
+            s = self._all.get(rid)
+            return None if s is None else s.to_dict()
+
+
+def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A gloo group over the same ranks as `group` (itself if it is gloo already), so the
+    per-step agreement never touches the GPU stream. Collective: every rank must call it."""
+    if not dist.is_initialized():
+        return None
+    if dist.get_backend(group) == "gloo":
+        return group
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend="gloo")
+
+
+def agree(local: bool, group: dist.ProcessGroup | None) -> bool:
+    """True on every rank when `local` is True on any rank (one-int MAX all-reduce)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return local
+    flag = torch.tensor([int(local)], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
