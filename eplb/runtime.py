@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from eplb.config import EplbConfig
+from eplb.control import RebalanceRequests, agree, control_group
 from eplb.placement import Placement, balancedness_of_gpu_loads
 from eplb.planning import plan
 from eplb.protocol import MixtureOfExperts, missing_members
@@ -49,6 +50,18 @@ class RebalanceEvent:
     @property
     def seconds(self) -> float:
         return self.seconds_plan + self.seconds_transfer + self.seconds_commit
+
+    def summary(self) -> dict:
+        """JSON-ready figures of this rebalance (no placement)."""
+        return {
+            "step": self.step, "trigger": self.trigger,
+            "balancedness_before": float(np.mean(self.balancedness_before)),
+            "balancedness_after": float(np.mean(self.balancedness_after)),
+            "experts_moved": self.experts_moved, "local_copies": self.local_copies,
+            "slots_changed": self.slots_changed, "bytes_moved": self.bytes_moved,
+            "seconds_plan": self.seconds_plan, "seconds_transfer": self.seconds_transfer,
+            "seconds_commit": self.seconds_commit,
+        }
 
 
 class EplbRuntime:
@@ -93,6 +106,9 @@ class EplbRuntime:
         self.steps = 0
         self.events: list[RebalanceEvent] = []
         self._listeners: list[Callable[[RebalanceEvent], None]] = []
+        self._step_hooks: list[Callable[["EplbRuntime"], None]] = []
+        self.requests = RebalanceRequests()  # filled from any thread, served in step()
+        self._control_group = None  # gloo group for agreeing on requests, made on first use
         if self.config.initial_placement:
             target = Placement.load(self.config.initial_placement, N, self.world_size)
             self.apply_placement(target, trigger="initial")
@@ -123,11 +139,41 @@ class EplbRuntime:
         self._listeners.append(fn)
 
     # ---- the step loop -----------------------------------------------------------
+    def add_step_hook(self, fn: Callable[["EplbRuntime"], None]) -> None:
+        """Call `fn(runtime)` at the end of every `step()` (before any rebalance)."""
+        self._step_hooks.append(fn)
+
+    def request_rebalance(self, trigger: str = "api") -> int:
+        """Ask for a rebalance at the next control check (thread-safe, does not block);
+        returns an id for `rebalance_status()`."""
+        return self.requests.request(trigger)
+
+    def rebalance_status(self, request_id: int) -> dict | None:
+        """State of a requested rebalance: pending, running, done (with a summary) or failed."""
+        return self.requests.status(request_id)
+
     def step(self) -> RebalanceEvent | None:
-        """Call after every forward: records this step's load; rebalances on schedule."""
+        """Call after every forward: records this step's load; rebalances on schedule or
+        when a rank holds a request (all ranks agree at the same step)."""
         self.recorder.record(self.expert_load_pass, self.physical_to_logical)
         self.steps += 1
-        interval = self.config.rebalance_interval
+        for hook in self._step_hooks:
+            hook(self)
+        interval, control = self.config.rebalance_interval, self.config.control_interval
+        requested = False
+        if control and self.steps % control == 0:
+            if self._control_group is None and self.world_size > 1:
+                self._control_group = control_group(self.group)
+            requested = agree(self.requests.has_pending(), self._control_group)
+        if requested:
+            ids = self.requests.start(self.steps)
+            try:
+                event = self.rebalance(trigger="request")
+            except Exception as e:
+                self.requests.finish(ids, error=f"{type(e).__name__}: {e}")
+                raise
+            self.requests.finish(ids, result=event.summary())
+            return event
         if interval and self.steps % interval == 0:
             return self.rebalance(trigger="interval")
         return None
