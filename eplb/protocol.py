@@ -5,11 +5,18 @@ A model exposes, per MoE layer, the stacked tensors of its local expert weights
 (`expert_weights[layer][i]` has shape `[num_local_physical_experts, ...]`) and
 receives three runtime-owned tensors whose *storage never changes*: the runtime
 updates them with `copy_`, so views a layer holds (and CUDA graphs) stay valid.
+
+Optional extension, weighted replicas (`SupportsReplicaWeights`): a model that also has
+`set_eplb_replica_weights(logical_replica_cdf)` receives a fourth runtime-owned tensor,
+`logical_replica_cdf [L, N, R]` float32, and splits each expert's tokens over its
+replicas by those weights instead of evenly. It is not a member of `MixtureOfExperts`:
+a vLLM-style model without it plugs in unchanged and keeps splitting evenly.
 """
 from __future__ import annotations
 
 from typing import Iterable, MutableSequence, Protocol, Sequence, runtime_checkable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -62,6 +69,52 @@ class MixtureOfExperts(Protocol):
     ) -> None:
         """Tell the model that the number of slots changed (elastic resize)."""
         ...
+
+
+@runtime_checkable
+class SupportsReplicaWeights(Protocol):
+    """Optional extension of `MixtureOfExperts`: weighted replicas.
+
+    `logical_replica_cdf [L, N, R]` float32 holds, for every expert, the cumulative
+    shares of its replicas in the order of `logical_to_physical_map[l, n, :]`: entry r
+    is the fraction of the expert's tokens that replicas 0..r receive. The last valid
+    entry (r = count - 1) is exactly 1.0 and the -1 padded entries are 1.0 too, so a row
+    is non-decreasing and ends at 1.0. A model picks, for a choice with a uniform
+    u in [0, 1), the first replica whose cdf exceeds u (clamped to count - 1); an even
+    split is cdf[r] = (r + 1) / count.
+
+    Like the other maps, the tensor is runtime-owned and only ever rewritten in place
+    (`copy_`); the runtime calls this method once, right after `set_eplb_state`, and a
+    model should keep (views of) the tensor, not a copy. A later `set_eplb_state` call
+    may drop the registration; the runtime then registers the tensor again.
+
+    A model without this method keeps splitting evenly; the runtime then warns once
+    when it applies a placement with uneven shares, and the balance that placement
+    achieves is the even-split one, not the one its planner predicted.
+    """
+
+    def set_eplb_replica_weights(
+        self,
+        logical_replica_cdf: torch.Tensor,  # [L, N, R] float32, R as logical_to_physical_map
+    ) -> None:
+        ...
+
+
+def supports_replica_weights(model: object) -> bool:
+    """True when `model` implements the optional weighted-replicas extension."""
+    return callable(getattr(model, "set_eplb_replica_weights", None))
+
+
+def replica_cdf(replica_shares: np.ndarray, replica_count: np.ndarray) -> np.ndarray:
+    """The content of `logical_replica_cdf`: replica_shares [L, N, R] (ordered like
+    `logical_to_physical`, 0 where padded; `Placement.replica_shares`) and
+    replica_count [L, N] -> [L, N, R] float32 cumulative shares, the entries from
+    r = count - 1 on exactly 1.0."""
+    shares = np.asarray(replica_shares, dtype=np.float64)  # [L, N, R]
+    count = np.asarray(replica_count, dtype=np.int64)  # [L, N]
+    cdf = np.clip(np.cumsum(shares, axis=-1), 0.0, 1.0)  # [L, N, R]
+    last_and_padding = np.arange(shares.shape[-1]) >= (count[..., None] - 1)  # [L, N, R]
+    return np.where(last_and_padding, 1.0, cdf).astype(np.float32)
 
 
 def is_mixture_of_experts(model: object) -> bool:

@@ -5,6 +5,8 @@ Steps, all tensor ops on the tokens' device:
 1. `map_to_physical`: pick one replica slot per (token, k) by a multiplicative hash of
    the flat position t*K + k, so a token's K choices and consecutive tokens spread over
    an expert's replicas deterministically (no RNG state, same answer on every call).
+   Evenly by default; with a registered `logical_replica_cdf` row (weighted replicas)
+   the hash, scaled to u in [0, 1), picks the first replica whose cdf exceeds u.
 2. `record_load`: +1 per (token, k) into the layer's `expert_load_view [P]` row with
    `scatter_add_`; no host sync.
 3. `dispatch`: sort the (token, k) copies by slot, exchange them with
@@ -45,16 +47,54 @@ def hash_replica(index: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return (h * count) >> 32
 
 
+EVEN_CDF_ATOL = 1e-6  # a cdf row this close to (r + 1) / count is decoded as an even split
+
+
+def weighted_replica(
+    index: torch.Tensor,  # [T, K] flat position t*K + k, int64
+    topk_ids: torch.Tensor,  # [T, K] logical expert ids
+    logical_replica_count: torch.Tensor,  # [N] replicas of each expert
+    logical_replica_cdf: torch.Tensor,  # [N, R] cumulative replica shares, rows end at 1.0
+) -> torch.Tensor:  # [T, K] replica number in [0, count)
+    """The first replica whose cdf exceeds u, clamped to count - 1, where u is the
+    `hash_replica` hash h of the flat position scaled to [0, 1).
+
+    u keeps the hash's top 24 bits, u = (h >> 8) * 2^-24, which float32 holds exactly, so
+    the comparison with the float32 cdf is exact and the same on every device. Rows that
+    are the even split (every entry within EVEN_CDF_ATOL of min(r + 1, count) / count)
+    take `(h * count) >> 32` instead, bitwise the replica `hash_replica` picks without a
+    cdf: float cdf entries cannot reproduce that integer formula at the replica
+    boundaries. All tensor ops with fixed shapes: no host sync, CUDA-graph safe.
+    """
+    h = _mul_low32(index, KNUTH)  # [T, K] in [0, 2^32)
+    cdf = logical_replica_cdf.float()  # [N, R]
+    n_count = logical_replica_count.long()  # [N]
+    count = n_count[topk_ids]  # [T, K]
+    u = (h >> 8).to(torch.float32) * 2.0 ** -24  # [T, K] in [0, 1), exact
+    below = (cdf[topk_ids] <= u.unsqueeze(-1)).sum(-1)  # [T, K] replicas whose cdf <= u
+    weighted = torch.minimum(below, count - 1)  # [T, K]
+    ranks = torch.arange(1, cdf.shape[-1] + 1, device=cdf.device)  # [R]
+    even_cdf = (torch.minimum(ranks, n_count.unsqueeze(-1)).float()
+                / n_count.unsqueeze(-1).float())  # [N, R]
+    is_even = ((cdf - even_cdf).abs() <= EVEN_CDF_ATOL).all(-1)  # [N]
+    return torch.where(is_even[topk_ids], (h * count) >> 32, weighted)
+
+
 def map_to_physical(
     topk_ids: torch.Tensor,  # [T, K] logical expert ids
     logical_to_physical_map: torch.Tensor,  # [N, R] slots of each expert, -1 padded
     logical_replica_count: torch.Tensor,  # [N] replicas of each expert
+    logical_replica_cdf: torch.Tensor | None = None,  # [N, R] cumulative shares, or None
 ) -> torch.Tensor:  # [T, K] physical slot ids
-    """Pick a replica slot for every (token, k), spreading tokens over replicas."""
+    """Pick a replica slot for every (token, k), spreading tokens over replicas: evenly
+    without a cdf (`hash_replica`), by the replica shares with one (`weighted_replica`)."""
     T, K = topk_ids.shape
     index = torch.arange(T * K, device=topk_ids.device).view(T, K)  # [T, K] flat position
-    count = logical_replica_count[topk_ids].long()  # [T, K]
-    replica = hash_replica(index, count)  # [T, K]
+    if logical_replica_cdf is None:
+        replica = hash_replica(index, logical_replica_count[topk_ids].long())  # [T, K]
+    else:
+        replica = weighted_replica(index, topk_ids, logical_replica_count,
+                                   logical_replica_cdf)  # [T, K]
     return logical_to_physical_map[topk_ids, replica]  # [T, K]
 
 

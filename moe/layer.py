@@ -39,6 +39,9 @@ class MoELayer(nn.Module):
     `expert_load_view [P]`, `logical_to_physical_map [N, R]`, `logical_replica_count [N]`.
     The layer only ever reads the maps and adds into the load view, so the runtime may
     rewrite all three (and the expert weights) in place between forwards.
+    Weighted replicas (optional, `set_eplb_replica_weights`): a row view
+    `logical_replica_cdf [N, R]` makes the replica choice follow the replica shares;
+    without one, tokens split evenly over an expert's replicas.
     """
 
     def __init__(self, args: MoEArgs, layer: int, num_local_slots: int,
@@ -60,6 +63,7 @@ class MoELayer(nn.Module):
         self.expert_load_view: torch.Tensor | None = None  # [P]
         self.logical_to_physical_map: torch.Tensor | None = None  # [N, R]
         self.logical_replica_count: torch.Tensor | None = None  # [N]
+        self.logical_replica_cdf: torch.Tensor | None = None  # [N, R] float32, None = even
 
     # ---- MoELayerProtocol --------------------------------------------------------
     def get_expert_weights(self) -> Sequence[torch.Tensor]:
@@ -69,7 +73,8 @@ class MoELayer(nn.Module):
     def set_eplb_state(self, moe_layer_idx: int, expert_load_view: torch.Tensor,
                        logical_to_physical_map: torch.Tensor,
                        logical_replica_count: torch.Tensor) -> None:
-        """Keep row `moe_layer_idx` of the runtime's [L, P], [L, N, R] and [L, N] tensors."""
+        """Keep row `moe_layer_idx` of the runtime's [L, P], [L, N, R] and [L, N] tensors.
+        Drops any registered replica weights: they belong to the maps they came with."""
         P, N = self.num_physical_experts, self.num_logical_experts
         device = self.experts.w13.device
         checks = (("expert_load_view", expert_load_view, 2, P),
@@ -87,6 +92,29 @@ class MoELayer(nn.Module):
         self.expert_load_view = expert_load_view[moe_layer_idx]
         self.logical_to_physical_map = logical_to_physical_map[moe_layer_idx]
         self.logical_replica_count = logical_replica_count[moe_layer_idx]
+        self.logical_replica_cdf = None
+
+    def set_eplb_replica_weights(self, moe_layer_idx: int,
+                                 logical_replica_cdf: torch.Tensor | None) -> None:
+        """Keep row `moe_layer_idx` of the runtime's `logical_replica_cdf [L, N, R]`
+        (float, R as the registered `logical_to_physical_map`); None: split evenly again."""
+        if logical_replica_cdf is None:
+            self.logical_replica_cdf = None
+            return
+        if self.logical_to_physical_map is None or moe_layer_idx != self.moe_layer_idx:
+            raise RuntimeError("MoELayer: call set_eplb_state before set_eplb_replica_weights "
+                               "(with the same moe_layer_idx)")
+        t, R = logical_replica_cdf, self.logical_to_physical_map.shape[-1]
+        if (t.dim() != 3 or t.shape[1:] != (self.num_logical_experts, R)
+                or not 0 <= moe_layer_idx < t.shape[0]):
+            raise ValueError(f"logical_replica_cdf: shape {tuple(t.shape)} does not fit layer "
+                             f"{moe_layer_idx} with N={self.num_logical_experts}, R={R}")
+        device = self.experts.w13.device
+        if t.device != device:
+            raise ValueError(f"logical_replica_cdf: on {t.device}, the layer's weights on {device}")
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"logical_replica_cdf: needs a floating dtype, got {t.dtype}")
+        self.logical_replica_cdf = t[moe_layer_idx]
 
     # ---- forward -----------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +128,8 @@ class MoELayer(nn.Module):
                                "physical experts; the runtime must resize the layer first")
         topk_ids, topk_weights = self.router(x)  # [T, K], [T, K]
         physical_ids = map_to_physical(topk_ids, self.logical_to_physical_map,
-                                       self.logical_replica_count)  # [T, K]
+                                       self.logical_replica_count,
+                                       self.logical_replica_cdf)  # [T, K]
         if self.record_load:
             record_load(self.expert_load_view, physical_ids)
         x_local, counts, counts_host, state = dispatch(x, physical_ids, S, self.group)

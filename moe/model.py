@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from eplb.placement import Placement
+from eplb.protocol import replica_cdf
 
 from .args import MoEArgs
 from .layer import MoEBlock, MoELayer, RMSNorm
@@ -23,6 +24,16 @@ def eplb_state_for(
     return load, l2p, count
 
 
+def replica_cdf_for(
+    placement: Placement, device: torch.device | str = "cpu", max_replicas: int | None = None
+) -> torch.Tensor:
+    """`logical_replica_cdf [L, N, R]` float32 of a placement (its shares; even when it
+    has none), R as `eplb_state_for(placement, max_replicas)`."""
+    R = placement.max_replicas if max_replicas is None else max_replicas
+    cdf = replica_cdf(placement.replica_shares(R), placement.replica_count())
+    return torch.from_numpy(cdf).to(device)
+
+
 class MoEModel(nn.Module):
     """L pre-norm residual MoE blocks, h = h + moe(rmsnorm(h)), over expert parallelism.
 
@@ -37,6 +48,7 @@ class MoEModel(nn.Module):
     num_expert_groups, num_logical_experts, num_physical_experts,
     num_local_physical_experts, num_routed_experts, num_shared_experts,
     num_redundant_experts, moe_layers, set_eplb_state, update_physical_experts_metadata.
+    Optional extension (weighted replicas): set_eplb_replica_weights.
     """
 
     def __init__(self, args: MoEArgs, group: dist.ProcessGroup | None = None,
@@ -77,6 +89,7 @@ class MoEModel(nn.Module):
         self.expert_load_view: torch.Tensor  # [L, P] the tensors the layers hold rows of
         self.logical_to_physical_map: torch.Tensor  # [L, N, R]
         self.logical_replica_count: torch.Tensor  # [L, N]
+        self.logical_replica_cdf: torch.Tensor | None = None  # [L, N, R] float32, None = even
         self.set_eplb_state(*eplb_state_for(placement, self.device))
 
     # ---- MixtureOfExperts --------------------------------------------------------
@@ -87,7 +100,9 @@ class MoEModel(nn.Module):
         `expert_weights` (same list object) with each layer's [w13, w2].
 
         expert_load_view [L, P], logical_to_physical_map [L, N, R] (-1 padded, any R),
-        logical_replica_count [L, N]; integer tensors on the model's device.
+        logical_replica_count [L, N]; integer tensors on the model's device. Drops any
+        registered replica weights (the layers split evenly until the next
+        `set_eplb_replica_weights`).
         """
         for name, t in (("expert_load_view", expert_load_view),
                         ("logical_to_physical_map", logical_to_physical_map),
@@ -101,7 +116,21 @@ class MoEModel(nn.Module):
         self.expert_load_view = expert_load_view
         self.logical_to_physical_map = logical_to_physical_map
         self.logical_replica_count = logical_replica_count
+        self.logical_replica_cdf = None
         self.expert_weights[:] = [list(layer.get_expert_weights()) for layer in self.moe_layers]
+
+    # ---- optional extension: weighted replicas (eplb.protocol.SupportsReplicaWeights) ----
+    def set_eplb_replica_weights(self, logical_replica_cdf: torch.Tensor | None) -> None:
+        """Register row views of the runtime's `logical_replica_cdf [L, N, R]` (float32,
+        R as the registered `logical_to_physical_map`) with every layer: each expert's
+        tokens then split over its replicas by the shares it encodes. None: split evenly.
+        Call after `set_eplb_state`; the runtime rewrites the tensor in place."""
+        if logical_replica_cdf is not None and logical_replica_cdf.shape[0] != self.num_moe_layers:
+            raise ValueError(f"logical_replica_cdf: first dim {logical_replica_cdf.shape[0]} != "
+                             f"num_moe_layers ({self.num_moe_layers})")
+        for i, layer in enumerate(self.moe_layers):
+            layer.set_eplb_replica_weights(i, logical_replica_cdf)
+        self.logical_replica_cdf = logical_replica_cdf
 
     def update_physical_experts_metadata(self, num_physical_experts: int,
                                          num_local_physical_experts: int) -> None:
@@ -130,6 +159,7 @@ class MoEModel(nn.Module):
                 layer.expert_load_view = None
                 layer.logical_to_physical_map = None
                 layer.logical_replica_count = None
+                layer.logical_replica_cdf = None
 
     # ---- workload knobs ----------------------------------------------------------
     @torch.no_grad()
