@@ -3,8 +3,8 @@
 Each `record()` turns the forward pass's physical counts `[L, P]` into logical
 counts `[L, N]` (with the placement in force while they were counted) and per-GPU
 counts `[L, M]`, writes them into ring buffers and zeroes the pass, all as tensor
-ops: no host synchronisation per step. `window_load()` sums the window and does the
-one all-reduce a rebalance needs.
+ops: no host synchronisation per step. `window_load()` sums the window (optionally
+weighting older steps less, `decay`) and does the one all-reduce a rebalance needs.
 """
 from __future__ import annotations
 
@@ -44,22 +44,38 @@ class LoadRecorder:
         """This rank's per-GPU counts of the most recent step (not reduced over ranks)."""
         return self.gpu_ring[(self.steps_recorded - 1) % self.window_size]
 
-    def window_load(self, group: dist.ProcessGroup | None = None
+    def window_load(self, group: dist.ProcessGroup | None = None, decay: float = 1.0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Window sums over all ranks: logical `[L, N]` and measured per-GPU `[L, M]`.
 
-        The per-GPU part covers only steps since the last placement change (older
-        steps were counted under another placement). One all-reduce.
+        `decay` weights the logical counts of the step `k` steps older than the newest by
+        `decay**k` (age 0 = the newest step); 1.0 is the plain window sum and returns int64,
+        anything else float64 (weights and sums in float64 on the device). The per-GPU part
+        is always a plain sum and covers only steps since the last placement change (older
+        steps were counted under another placement). One all-reduce, nothing leaves the
+        device.
         """
-        logical = self.logical_ring.sum(0)  # [L, N]
-        n_gpu = min(self.gpu_steps, self.window_size)
-        idx = [(self.steps_recorded - 1 - k) % self.window_size for k in range(n_gpu)]
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+        W = self.window_size
+        if decay == 1:
+            logical = self.logical_ring.sum(0)  # [L, N] int64
+        else:
+            # ring entry i was written `age` steps before the newest one; unfilled entries are 0
+            newest = (self.steps_recorded - 1) % W
+            age = (newest - torch.arange(W, device=self.logical_ring.device)) % W  # [W]
+            weight = torch.pow(torch.full((W,), float(decay), dtype=torch.float64,
+                                          device=age.device), age)  # [W]
+            logical = torch.tensordot(weight, self.logical_ring.to(torch.float64), dims=1)  # [L, N]
+        n_gpu = min(self.gpu_steps, W)
+        idx = [(self.steps_recorded - 1 - k) % W for k in range(n_gpu)]
         gpu = self.gpu_ring[idx].sum(0) if idx else torch.zeros_like(self.gpu_ring[0])  # [L, M]
-        both = torch.cat([logical, gpu], dim=1)  # [L, N + M]
+        both = torch.cat([logical, gpu.to(logical.dtype)], dim=1)  # [L, N + M]
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(both, group=group)
         N = logical.shape[1]
-        return both[:, :N], both[:, N:]
+        # per-GPU sums are integers below 2**53, exact in float64
+        return both[:, :N], both[:, N:].to(torch.int64)
 
     def on_placement_change(self) -> None:
         """Per-GPU counts from before a rebalance describe the old placement: drop them."""

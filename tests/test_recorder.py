@@ -3,6 +3,7 @@ one all-reduce of window_load()."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from _dist import device_for, run_distributed
@@ -151,3 +152,113 @@ def _window_load_all_reduces(rank: int, world: int) -> None:
 
 def test_window_load_sums_over_ranks():
     run_distributed(_window_load_all_reduces, 2)
+
+
+# ---- decay: a step k steps older than the newest weighs decay**k -------------------------
+
+def test_decay_weights_by_age_newest_first():
+    W = 4
+    rec = LoadRecorder(L, N, M, S, window_size=W, device=CPU)
+    loads = [step_load(t) for t in range(6)]  # the ring wraps: holds steps 2..5
+    for x in loads:
+        rec.record(x.clone(), P2L)
+    d = 0.5
+    logical, gpu = rec.window_load(decay=d)
+    assert logical.dtype == torch.float64
+    want = sum(d ** age * logical_of(x, P2L).double() for age, x in enumerate(reversed(loads[-W:])))
+    assert torch.allclose(logical, want, rtol=0, atol=1e-9)
+    # the per-GPU part stays a plain (integer) sum of what was measured
+    assert gpu.dtype == torch.int64
+    assert torch.equal(gpu, sum(gpu_of(x) for x in loads[-W:]))
+
+
+def test_decay_one_is_the_plain_sum_and_stays_int64():
+    rec = LoadRecorder(L, N, M, S, window_size=3, device=CPU)
+    loads = [step_load(t) for t in range(5)]
+    for x in loads:
+        rec.record(x.clone(), P2L)
+    plain, _ = rec.window_load()
+    same, _ = rec.window_load(decay=1.0)
+    assert same.dtype == torch.int64 and torch.equal(plain, same)
+    assert torch.equal(plain, sum(logical_of(x, P2L) for x in loads[-3:]))
+
+
+def test_decay_before_the_window_fills_and_hand_example():
+    rec = LoadRecorder(1, 2, 1, 2, window_size=5, device=CPU)
+    p2l = torch.tensor([[0, 1]])
+    for counts in ([8, 0], [0, 4], [2, 2]):  # oldest first
+        rec.record(torch.tensor([counts]), p2l)
+    logical, _ = rec.window_load(decay=0.5)
+    # newest [2, 2] x 1 + [0, 4] x 0.5 + [8, 0] x 0.25; empty ring entries add nothing
+    assert logical.tolist() == [[2 + 0 + 2.0, 2 + 2 + 0.0]]
+
+
+def test_decay_matches_the_simulator_window():
+    from eplb.simulate import window_load as sim_window
+
+    W = 3
+    rec = LoadRecorder(L, N, M, S, window_size=W, device=CPU)
+    loads = [step_load(t) for t in range(7)]
+    for x in loads:
+        rec.record(x.clone(), P2L)
+    trace = np.stack([logical_of(x, P2L).numpy() for x in loads]).astype(np.float64)  # [T, L, N]
+    got, _ = rec.window_load(decay=0.7)
+    assert np.allclose(got.numpy(), sim_window(trace, len(loads), W, 0.7), rtol=1e-12)
+
+
+def test_decay_out_of_range_is_rejected():
+    rec = LoadRecorder(L, N, M, S, window_size=2, device=CPU)
+    for bad in (0, -0.5, 1.5, float("nan"), True):
+        with pytest.raises(ValueError, match="decay"):
+            rec.window_load(decay=bad)
+
+
+def _decayed_window_all_reduces(rank: int, world: int) -> None:
+    device = device_for(rank)
+    rec = LoadRecorder(L, N, M, S, window_size=4, device=device)
+    p2l = P2L.to(device)
+    loads = [step_load(t) * (rank + 1) for t in range(5)]
+    for x in loads:
+        rec.record(x.clone().to(device), p2l)
+    d = 0.25
+    mine = sum(d ** age * logical_of(x, P2L).double() for age, x in enumerate(reversed(loads[-4:])))
+    logical, gpu = rec.window_load(decay=d)
+    factor = world * (world + 1) // 2
+    assert logical.dtype == torch.float64 and gpu.dtype == torch.int64
+    assert torch.allclose(logical.cpu(), mine / (rank + 1) * factor, rtol=1e-12)
+    assert torch.equal(gpu.cpu(), sum(gpu_of(x) for x in loads[-4:]) // (rank + 1) * factor)
+
+
+def test_decayed_window_sums_over_ranks():
+    run_distributed(_decayed_window_all_reduces, 2)
+
+
+def test_runtime_rebalance_passes_decay_and_planner_knobs(monkeypatch):
+    """rebalance() plans on the decay-weighted window with the config's move_tolerance and
+    weighted_replicas."""
+    import eplb.runtime as rt
+    from eplb.config import EplbConfig
+    from moe import MoEArgs, MoEModel, sample_tokens
+
+    args = MoEArgs(hidden_size=16, intermediate_size=8, num_layers=2, num_experts=8, top_k=2,
+                   num_redundant_experts=4, seed=1)
+    model = MoEModel(args)
+    cfg = EplbConfig(num_redundant_experts=4, window_size=3, rebalance_interval=0, load_decay=0.5,
+                     move_tolerance=0.3, weighted_replicas=False)
+    runtime = rt.EplbRuntime(model, cfg)
+    for step in range(4):
+        model(sample_tokens(args, 16, seed=step))
+        runtime.step()
+    want, _ = runtime.recorder.window_load(decay=0.5)
+    seen = {}
+    real_plan = rt.plan
+
+    def spy(load, *a, **kw):
+        seen["load"], seen["kw"] = np.array(load), kw
+        return real_plan(load, *a, **kw)
+
+    monkeypatch.setattr(rt, "plan", spy)
+    runtime.rebalance()
+    assert np.allclose(seen["load"], want.numpy())
+    assert not np.allclose(seen["load"], runtime.recorder.window_load()[0].numpy())
+    assert seen["kw"]["move_tolerance"] == 0.3 and seen["kw"]["weighted"] is False

@@ -1,0 +1,427 @@
+"""Offline replay of a measured load trace: how well would a policy have balanced it?
+
+    result = simulate(trace, num_gpus=16, num_slots=80, window=1, interval=1,
+                      policies=("deepseek", "default"))
+    result.policies["default"].summary()["mean"]      # out-of-sample max/mean GPU load
+
+`trace [T, L, N]` holds per-step logical expert counts. Starting from the start-up
+placement (slot p holds expert p % N, `Placement.initial`), each policy replans at steps
+`start, start + interval, ...` on the last `window` steps before that step, weighted
+like `LoadRecorder.window_load(decay=...)` (a step k steps older than the newest counts
+decay**k), with `previous` = the placement in force. Every step is scored with the
+placement in force *when it runs*, a placement planned on earlier steps only, so the
+figures are out-of-sample. The score of a step is max/mean GPU load per layer, the
+definition of `shared/tools/planeval.py` (tokens of an expert split evenly over its
+replicas unless the placement carries per-slot shares), then averaged over layers.
+
+Two references come with every run, scored on the same steps:
+
+- `none`: the start-up placement, never rebalanced (what no balancer gives);
+- `oracle`, per policy: at each rebalance the policy plans from scratch on the very steps
+  that placement will serve (the block `[s, s + interval)`), i.e. with perfect foresight.
+  The gap between a policy and its oracle is what imperfect prediction costs.
+
+Pure numpy (plus the policies): no torch.distributed, nothing random; same inputs, same
+result.
+"""
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from eplb.placement import Placement
+from eplb.planning import plan
+from eplb.policy import get_policy
+from eplb.transfer import transfer_stats
+
+RESERVED_NAMES = ("none", "oracle")
+
+
+@dataclass(frozen=True)
+class RebalanceRecord:
+    """One rebalance of one policy."""
+
+    step: int  # first step the new placement serves
+    slots_changed: int  # slots whose expert changed (copies written), all layers
+    experts_moved: int  # remote expert receives (an expert received once per rank), all layers
+    local_copies: int  # changed slots filled from an expert already on the same GPU
+    bytes_moved: int | None  # experts_moved * bytes_per_expert, if given
+    seconds_plan: float
+    predicted: float  # in-sample imbalance: the planning window's load on the new placement
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "slots_changed": self.slots_changed,
+                "experts_moved": self.experts_moved, "local_copies": self.local_copies,
+                "bytes_moved": self.bytes_moved, "seconds_plan": self.seconds_plan,
+                "predicted_imbalance": self.predicted}
+
+
+@dataclass
+class PolicyResult:
+    """Per-step scores of one policy (or a reference) over the whole trace."""
+
+    name: str
+    layer_imbalance: np.ndarray  # [T, L] max/mean GPU load per step and layer
+    start: int  # first scored step: the summaries cover steps [start, T)
+    total_slots: int  # L * P, to express moves as a fraction
+    rebalances: list[RebalanceRecord] = field(default_factory=list)
+
+    @property
+    def imbalance(self) -> np.ndarray:  # [T] per step, mean over layers
+        return self.layer_imbalance.mean(1)
+
+    @property
+    def scored(self) -> np.ndarray:  # [T - start]
+        return self.imbalance[self.start:]
+
+    def summary(self) -> dict:
+        """Out-of-sample figures over the scored steps, and the cost of the rebalances."""
+        s = self.scored
+        out: dict[str, Any] = {
+            "mean": float(s.mean()), "median": float(np.median(s)),
+            "p95": float(np.percentile(s, 95)), "max": float(s.max()),
+            "steps_scored": int(s.size), "rebalances": len(self.rebalances),
+        }
+        if self.rebalances:
+            r = self.rebalances
+            moved = np.array([x.slots_changed for x in r], dtype=np.float64)
+            out.update({
+                "slots_changed_mean": float(moved.mean()),
+                "slots_changed_pct": float(100 * moved.mean() / self.total_slots),
+                "experts_moved_mean": float(np.mean([x.experts_moved for x in r])),
+                "local_copies_mean": float(np.mean([x.local_copies for x in r])),
+                "bytes_moved_mean": (None if r[0].bytes_moved is None
+                                     else float(np.mean([x.bytes_moved for x in r]))),
+                "plan_ms_median": float(1e3 * np.median([x.seconds_plan for x in r])),
+                "predicted_mean": float(np.mean([x.predicted for x in r])),
+            })
+        return out
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "summary": self.summary(),
+                "imbalance": self.imbalance.round(6).tolist(),
+                "layer_imbalance_mean": self.layer_imbalance[self.start:].mean(0).round(6).tolist(),
+                "rebalances": [r.to_dict() for r in self.rebalances]}
+
+
+@dataclass
+class SimulationResult:
+    config: dict
+    policies: dict[str, PolicyResult]  # planned, out-of-sample
+    none: PolicyResult  # the start-up placement, never changed
+    oracle: dict[str, PolicyResult]  # per policy, planned on the scored block itself
+
+    def to_dict(self) -> dict:
+        return {"config": self.config,
+                "policies": {k: v.to_dict() for k, v in self.policies.items()},
+                "none": self.none.to_dict(),
+                "oracle": {k: v.to_dict() for k, v in self.oracle.items()}}
+
+
+def rebalance_steps(num_steps: int, interval: int, start: int) -> list[int]:
+    """Steps at which a plan is made (the first step each new placement serves)."""
+    return list(range(start, num_steps, interval))
+
+
+def decay_weights(n: int, decay: float) -> np.ndarray:  # [n], index 0 = newest step
+    return decay ** np.arange(n, dtype=np.float64)
+
+
+def window_load(trace: np.ndarray, step: int, window: int, decay: float = 1.0) -> np.ndarray:  # [L, N]
+    """What a recorder holds just before `step`: steps `[step - window, step)`, the one k
+    steps older than the newest weighted by decay**k (as `LoadRecorder.window_load`)."""
+    lo = max(0, step - window)
+    recent = trace[lo:step][::-1]  # [w, L, N], newest first
+    return np.tensordot(decay_weights(len(recent), decay), recent, axes=1)
+
+
+def step_imbalance(loads: np.ndarray, placement: Placement) -> np.ndarray:  # [K, L, N] -> [K, L]
+    """max/mean GPU load per step and layer (1.0 where a layer has no load), as planeval."""
+    p2l = placement.physical_to_logical  # [L, P]
+    L, P = p2l.shape
+    M = placement.num_gpus
+    per_slot = loads[:, np.arange(L)[:, None], p2l] * placement.slot_shares()[None]  # [K, L, P]
+    gpu = per_slot.reshape(len(loads), L, M, P // M).sum(-1)  # [K, L, M]
+    mean = gpu.mean(-1)  # [K, L]
+    out = np.ones(mean.shape)
+    ok = mean > 0
+    out[ok] = gpu.max(-1)[ok] / mean[ok]
+    return out
+
+
+def simulate(
+    trace: Any,
+    num_gpus: int,
+    num_slots: int,
+    window: int,
+    interval: int,
+    policies: Sequence[str] = ("default",),
+    num_nodes: int = 1,
+    num_groups: int = 1,
+    decay: float = 1.0,
+    move_tolerance: float = 0.02,
+    weighted: bool = False,
+    bytes_per_expert: int | None = None,
+    start: int | None = None,
+    oracle: bool = True,
+    progress: Callable[[], None] | None = None,
+) -> SimulationResult:
+    """Replay `trace [T, L, N]` under each policy; see the module docstring.
+
+    `start` is the first rebalance step (default `window`, the first step with a full
+    window behind it; at least 1). Summaries cover steps `[start, T)`: steps before it
+    run on the start-up placement under every policy. `oracle=False` skips the oracle
+    references (they double the planning work). `progress()` is called after every plan.
+    """
+    trace = _check_trace(trace)
+    T, L, N = trace.shape
+    M = _positive_int(num_gpus, "num_gpus")
+    P = _positive_int(num_slots, "num_slots")
+    num_nodes = _positive_int(num_nodes, "num_nodes")
+    num_groups = _positive_int(num_groups, "num_groups")
+    window = _positive_int(window, "window")
+    interval = _positive_int(interval, "interval")
+    if P < N:
+        raise ValueError(f"num_slots ({P}) must be >= the trace's {N} experts")
+    if P % M:
+        raise ValueError(f"num_slots ({P}) must be a multiple of num_gpus ({M})")
+    if M % num_nodes:
+        raise ValueError(f"num_gpus ({M}) must be divisible by num_nodes ({num_nodes})")
+    if N % num_groups:
+        raise ValueError(f"the trace's {N} experts must be divisible by num_groups ({num_groups})")
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
+        raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+    if isinstance(move_tolerance, bool) or not isinstance(move_tolerance, (int, float)) \
+            or not 0 <= move_tolerance < 10:
+        raise ValueError(f"move_tolerance must be in [0, 10), got {move_tolerance!r}")
+    if bytes_per_expert is not None and (isinstance(bytes_per_expert, bool)
+                                         or not isinstance(bytes_per_expert, int) or bytes_per_expert < 0):
+        raise ValueError(f"bytes_per_expert must be an int >= 0, got {bytes_per_expert!r}")
+    start = interval if start is None else _positive_int(start, "start")
+    if start >= T:
+        raise ValueError(f"the trace has {T} steps, so nothing is left to score after the first "
+                         f"plan at step {start} (window {window}); use a smaller window or start, "
+                         f"or a longer trace")
+    if isinstance(policies, str):
+        policies = (policies,)
+    policies = list(policies)
+    if not policies:
+        raise ValueError("give at least one policy")
+    for name in policies:
+        if name in RESERVED_NAMES:
+            raise ValueError(f"{name!r} is a reference figure, always reported; not a policy name")
+        get_policy(name)  # unknown names fail here, before any work
+    if len(set(policies)) != len(policies):
+        raise ValueError(f"policy listed twice: {policies}")
+
+    steps = rebalance_steps(T, interval, start)
+    ends = steps[1:] + [T]
+    initial = Placement.initial(L, N, P, M, num_nodes)
+    kw = dict(num_nodes=num_nodes, num_groups=num_groups, move_tolerance=float(move_tolerance),
+              weighted=bool(weighted))
+    config = {"steps": T, "layers": L, "experts": N, "num_gpus": M, "num_slots": P,
+              "num_nodes": num_nodes, "num_groups": num_groups, "window": window,
+              "interval": interval, "start": start, "decay": float(decay),
+              "move_tolerance": float(move_tolerance), "weighted": bool(weighted),
+              "bytes_per_expert": bytes_per_expert, "policies": policies,
+              "rebalance_steps": steps}
+
+    none_scores = step_imbalance(trace, initial)  # [T, L]
+    none = PolicyResult("none", none_scores, start, L * P)
+
+    results: dict[str, PolicyResult] = {}
+    oracles: dict[str, PolicyResult] = {}
+    for name in policies:
+        scores = none_scores.copy()  # [T, L]; steps before `start` keep the start-up placement
+        res = PolicyResult(name, scores, start, L * P)
+        current = initial
+        for s, e in zip(steps, ends):
+            load = window_load(trace, s, window, decay)  # [L, N]
+            t0 = time.perf_counter()
+            new = plan(load, M, P, policy=name, previous=current, **kw)
+            seconds = time.perf_counter() - t0
+            st = transfer_stats(current.physical_to_logical, new.physical_to_logical, M, bytes_per_expert)
+            predicted = float(step_imbalance(load[None], new).mean())
+            res.rebalances.append(RebalanceRecord(s, st.slots_changed, st.experts_moved,
+                                                  st.local_copies, st.bytes_moved, seconds, predicted))
+            scores[s:e] = step_imbalance(trace[s:e], new)
+            current = new
+            if progress:
+                progress()
+        results[name] = res
+        if oracle:
+            o_scores = none_scores.copy()
+            for s, e in zip(steps, ends):
+                best = plan(trace[s:e].sum(0), M, P, policy=name, previous=None, **kw)
+                o_scores[s:e] = step_imbalance(trace[s:e], best)
+                if progress:
+                    progress()
+            oracles[name] = PolicyResult(f"oracle:{name}", o_scores, start, L * P)
+    return SimulationResult(config, results, none, oracles)
+
+
+def aggregate_steps(trace: np.ndarray, every: int) -> np.ndarray:  # [T, L, N] -> [T // every, L, N]
+    """Sum every `every` consecutive steps into one; the last `T % every` steps are dropped
+    (a partial step would be a smaller batch than the others)."""
+    every = _positive_int(every, "aggregate")
+    T = trace.shape[0]
+    if every > T:
+        raise ValueError(f"aggregate {every} is more than the trace's {T} steps")
+    n = T // every
+    return trace[:n * every].reshape(n, every, *trace.shape[1:]).sum(1)
+
+
+def read_trace(name_or_path: str) -> np.ndarray:  # -> [T, L, N] float64
+    """A packaged trace by name (`esft`) or a `.npy` / `.npz` file holding `[T, L, N]`
+    (in an `.npz`: the array `counts`, else its only array). Checked like `simulate` does."""
+    from eplb.workload import TRACES
+
+    path = TRACES.get(name_or_path, Path(name_or_path))
+    if not path.is_file():
+        raise ValueError(f"trace not found: {name_or_path} (packaged: {', '.join(TRACES)})")
+    try:
+        data = np.load(path, allow_pickle=False)
+        if hasattr(data, "files"):  # .npz
+            with data:
+                if "counts" in data.files:
+                    arr = data["counts"]
+                elif len(data.files) == 1:
+                    arr = data[data.files[0]]
+                else:
+                    raise ValueError(f"the .npz holds {data.files}, none named 'counts'")
+        else:
+            arr = data
+    except Exception as e:  # truncated, pickled, not numpy at all: many exception types
+        msg = " ".join(str(e).split())
+        raise ValueError(f"{path}: not a readable .npy/.npz trace ({msg})") from None
+    try:
+        return _check_trace(arr)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _check_trace(trace: Any) -> np.ndarray:  # -> [T, L, N] float64
+    arr = np.asarray(trace)
+    numeric = np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
+    if arr.dtype == bool or not numeric:
+        raise ValueError(f"trace must hold numbers, got dtype {arr.dtype}")
+    if arr.ndim != 3:
+        raise ValueError(f"trace must be [T, L, N] (steps, layers, experts), got shape {arr.shape}")
+    if 0 in arr.shape:
+        raise ValueError(f"trace is empty: shape {arr.shape}")
+    arr = np.ascontiguousarray(arr, dtype=np.float64)
+    if not np.isfinite(arr).all():
+        raise ValueError("trace contains NaN or inf")
+    if (arr < 0).any():
+        raise ValueError(f"trace contains negative counts (min {arr.min():g})")
+    return arr
+
+
+def _positive_int(value: Any, name: str) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"{name} must be >= 1, got {n}")
+    return n
+
+
+# ==== reporting ==========================================================================
+
+
+def result_rows(result: SimulationResult) -> list[tuple[str, PolicyResult]]:
+    """Rows in print order: none, then each policy followed by its oracle."""
+    rows = [("none", result.none)]
+    for name, res in result.policies.items():
+        rows.append((name, res))
+        if name in result.oracle:
+            rows.append((f"oracle:{name}", result.oracle[name]))
+    return rows
+
+
+def format_table(result: SimulationResult) -> str:
+    """The per-policy table `eplb simulate` prints."""
+    head = (f"{'policy':<22} {'mean':>6} {'median':>6} {'p95':>6} {'in-smpl':>7} "
+            f"{'moved/rebal':>11} {'%slots':>6} {'remote':>7} {'%slots':>6} {'MB/rebal':>9} {'plan ms':>8}")
+    lines = ["imbalance = max/mean GPU load per layer, mean over layers, per scored step "
+             "(out of sample); in-smpl = the planning window on the new placement;",
+             "moved = slots whose expert changed per rebalance, remote = experts received from "
+             "another GPU per rebalance (% of all L x P slots); plan ms = median.", head, "-" * len(head)]
+    for label, res in result_rows(result):
+        sm = res.summary()
+        cells = [f"{label:<22}", f"{sm['mean']:>6.3f}", f"{sm['median']:>6.3f}", f"{sm['p95']:>6.3f}"]
+        if sm["rebalances"]:
+            mb = sm["bytes_moved_mean"]
+            cells += [f"{sm['predicted_mean']:>7.3f}", f"{sm['slots_changed_mean']:>11.1f}",
+                      f"{sm['slots_changed_pct']:>5.1f}%", f"{sm['experts_moved_mean']:>7.1f}",
+                      f"{100 * sm['experts_moved_mean'] / res.total_slots:>5.1f}%",
+                      f"{'-' if mb is None else format(mb / 1e6, '.1f'):>9}",
+                      f"{sm['plan_ms_median']:>8.1f}"]
+        else:
+            cells += [f"{'-':>{w}}" for w in (7, 11, 6, 7, 6, 9, 8)]
+        lines.append(" ".join(cells))
+    return "\n".join(lines)
+
+
+def plot_result(result: SimulationResult, path: str | Path, title: str = "",
+                step_label: str = "step") -> None:
+    """PNG: imbalance per step (policies, none, oracles) and, per rebalance, slots changed
+    (light bars) and experts received from another GPU (dark bars), as % of all slots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = result.config
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True,
+                                   gridspec_kw={"height_ratios": [3, 2]})
+    steps = np.arange(cfg["steps"])
+    start = cfg["start"]
+    ax1.plot(steps[start:], result.none.scored, color="0.5", ls="--", marker=".", label="none (static)")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    names = list(result.policies)
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        c = colors[i % len(colors)]
+        res = result.policies[name]
+        ax1.plot(steps[start:], res.scored, color=c, marker="o", ms=3,
+                 label=f"{name} (mean {res.summary()['mean']:.3f})")
+        if name in result.oracle:
+            o = result.oracle[name]
+            ax1.plot(steps[start:], o.scored, color=c, ls=":",
+                     label=f"oracle:{name} (mean {o.summary()['mean']:.3f})")
+        at = np.array([r.step for r in res.rebalances])
+        changed = np.array([100 * r.slots_changed for r in res.rebalances]) / res.total_slots
+        remote = np.array([100 * r.experts_moved for r in res.rebalances]) / res.total_slots
+        x = at + (i - (len(names) - 1) / 2) * width * cfg["interval"]
+        ax2.bar(x, changed, width=width * cfg["interval"], color=c, alpha=0.35,
+                label=f"{name}: slots changed")
+        ax2.bar(x, remote, width=width * cfg["interval"], color=c, label=f"{name}: received remotely")
+    ax1.axhline(1.0, color="k", lw=0.5)
+    ax1.set_ylabel("max/mean GPU load\n(mean over layers)")
+    ax1.legend(fontsize=8)
+    ax1.grid(alpha=0.3)
+    ax1.set_title(title or (f"{cfg['num_gpus']} GPUs, {cfg['num_slots']} slots, window {cfg['window']}, "
+                            f"interval {cfg['interval']}, decay {cfg['decay']:g}"), fontsize=10)
+    ax2.set_ylabel("moved per rebalance\n(% of all slots)")
+    ax2.set_xlabel(step_label)
+    ax2.legend(fontsize=7, ncol=2 * len(names), loc="upper left")
+    ax2.set_ylim(0, 100 + 12 * (1 + (2 * len(names) > 4)))  # headroom for the legend
+    ax2.set_yticks([0, 20, 40, 60, 80, 100])
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+__all__ = ["PolicyResult", "RebalanceRecord", "SimulationResult", "aggregate_steps", "decay_weights",
+           "format_table", "plot_result", "read_trace", "rebalance_steps", "result_rows", "simulate",
+           "step_imbalance", "window_load"]
