@@ -1,0 +1,282 @@
+"""Prometheus metrics of an EplbRuntime.
+
+    metrics = EplbMetrics(runtime, interval=10)      # on EVERY rank, before the first step()
+    if runtime.rank == 0:
+        EplbServer(runtime, metrics, port=9400).start()   # eplb.server: one scrape target per job
+
+Design: rank 0 aggregates. Every rank attaches an `EplbMetrics`. Its step hook adds this
+rank's per-GPU counts of the step (`recorder.last_gpu_load()`, `[L, M]`) into a small
+accumulator on the device: one tensor op, no host synchronisation. Every `interval` steps
+every rank all-reduces that accumulator once (`[L, M]` int64, on the runtime's group), and
+rank 0 alone copies it to the host and sets the load gauges. So the job exposes one
+consistent view of all GPUs from one process, at the cost of one small all-reduce per
+interval and one host sync per interval on rank 0 only. Because the hook is a collective,
+every rank of the group must attach with the same `interval`. The accumulator restarts at
+every rebalance, so the load gauges describe the placement in force.
+
+Rebalance figures come from `runtime.add_listener` (events are identical on every rank);
+failures, which raise out of `rebalance()`/`apply_placement()` before any event exists,
+are counted by thin wrappers around those two methods (`track()`, installed by default).
+Step count, window fill and placement age are read at scrape time.
+
+Metric names (stable; the Grafana dashboard and alerting rules depend on them):
+
+    eplb_balancedness_ratio{layer}                mean/max GPU load per layer, last interval
+    eplb_balancedness_overall_ratio               mean of the above over layers
+    eplb_gpu_load_tokens{gpu}                     token-expert assignments per GPU (all
+                                                  layers) per step, mean over last interval
+    eplb_rebalances_total{trigger,outcome}        trigger interval|request|api|initial
+                                                  (HTTP requests count as "request"),
+                                                  outcome success|failure
+    eplb_rebalance_duration_seconds{phase}        histogram, phase plan|transfer|commit|total
+    eplb_experts_moved_total                      remote expert copies, all ranks
+    eplb_bytes_moved_total                        bytes sent between ranks, all ranks
+    eplb_rebalance_balancedness_ratio{when}       before|after (predicted) of the last rebalance
+    eplb_expert_replicas{layer,expert}            opt-in (per_expert_replicas=True): L x N series
+    eplb_load_window_fill_ratio                   steps in the planner's window / window size
+    eplb_placement_age_seconds                    seconds since the placement last changed
+    eplb_steps_total                              runtime.steps
+    eplb_info{version,policy,num_gpus,num_nodes,num_slots,num_layers}   always 1
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from eplb.placement import balancedness_of_gpu_loads
+
+if TYPE_CHECKING:
+    from eplb.runtime import EplbRuntime, RebalanceEvent
+
+log = logging.getLogger("eplb.metrics")
+
+TRIGGERS = ("interval", "request", "api", "initial")
+OUTCOMES = ("success", "failure")
+PHASES = ("plan", "transfer", "commit", "total")
+WHEN = ("before", "after")
+# rebalances take from about a millisecond (small CPU jobs) to minutes (large models)
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0, 120.0, 300.0, float("inf"))
+
+
+class EplbMetrics:
+    """Prometheus metrics of one runtime; see the module docstring for names and design.
+
+    `registry`: where the metrics live; None makes a private `CollectorRegistry` (so several
+    runtimes or tests never collide); pass `prometheus_client.REGISTRY` to expose them next
+    to your own metrics. `interval`: steps between load updates (and all-reduces), the same
+    on every rank. `per_expert_replicas`: also export `eplb_expert_replicas` (L x N series).
+    `track_failures`: wrap `runtime.rebalance` / `runtime.apply_placement` to count
+    failures (see `track()`).
+    """
+
+    def __init__(self, runtime: "EplbRuntime", registry: CollectorRegistry | None = None,
+                 interval: int = 10, per_expert_replicas: bool = False, track_failures: bool = True):
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"interval must be an int >= 1 (steps), got {interval!r}")
+        self.runtime = runtime
+        self.registry = CollectorRegistry() if registry is None else registry
+        self.interval = interval
+        self.per_expert_replicas = per_expert_replicas
+        placement = runtime.placement
+        L, M = placement.num_layers, runtime.world_size
+        r = self.registry
+
+        self.balancedness = Gauge(
+            "eplb_balancedness_ratio", "Mean over max GPU load of a layer over the last "
+            "metrics interval (1 = perfectly balanced).", ["layer"], registry=r)
+        self.gpu_load = Gauge(
+            "eplb_gpu_load_tokens", "Token-expert assignments routed to a GPU per step (summed "
+            "over layers), averaged over the last metrics interval.", ["gpu"], registry=r)
+        self.rebalances = Counter(
+            "eplb_rebalances_total", "Rebalances by trigger (interval, request, api, initial) "
+            "and outcome (success, failure).", ["trigger", "outcome"], registry=r)
+        self.duration = Histogram(
+            "eplb_rebalance_duration_seconds", "Duration of successful rebalances by phase "
+            "(plan, transfer, commit, total).", ["phase"], buckets=DURATION_BUCKETS, registry=r)
+        self.experts_moved = Counter(
+            "eplb_experts_moved_total", "Expert copies received from another rank, all ranks "
+            "together.", registry=r)
+        self.bytes_moved = Counter(
+            "eplb_bytes_moved_total", "Expert weight bytes sent between ranks, all ranks "
+            "together.", registry=r)
+        self.rebalance_balancedness = Gauge(
+            "eplb_rebalance_balancedness_ratio", "Balancedness of the last rebalance's window: "
+            "measured before, predicted after (mean over layers).", ["when"], registry=r)
+        self.replicas = Gauge(
+            "eplb_expert_replicas", "Physical replicas of a logical expert.",
+            ["layer", "expert"], registry=r) if per_expert_replicas else None
+        self.info = Info("eplb", "EPLB runtime configuration.", registry=r)
+        self.info.info(self._info_labels())
+        r.register(_ScrapeTimeCollector(self))
+        for trigger in TRIGGERS:  # counters exist at 0, so rate() and alerts work from the start
+            for outcome in OUTCOMES:
+                self.rebalances.labels(trigger, outcome)
+        for phase in PHASES:
+            self.duration.labels(phase)
+
+        # load accumulation: this rank's per-GPU counts since the last update, on the device
+        self._acc = torch.zeros(L, M, dtype=torch.int64, device=runtime.device)  # [L, M]
+        self._acc_steps = 0
+        self._overall: float | None = None  # exported once the first interval is measured
+        self._placement_changed_at = time.monotonic()
+        self._depth = 0  # nesting of tracked calls (rebalance -> apply_placement)
+        self._event_seen = False  # a success event arrived during the outermost tracked call
+        self._tracked = False
+        self._set_replicas(placement)
+        for event in runtime.events:  # rebalances before attaching (e.g. trigger "initial")
+            self._record_event(event)
+        runtime.add_listener(self._on_event)
+        runtime.add_step_hook(self._on_step)
+        if track_failures:
+            self.track()
+
+    # ---- what the runtime calls --------------------------------------------------
+    def _on_step(self, runtime: "EplbRuntime") -> None:
+        self._acc.add_(runtime.recorder.last_gpu_load())  # device op, no host sync
+        self._acc_steps += 1
+        if runtime.steps % self.interval == 0:
+            self.update()
+
+    def update(self) -> None:
+        """All-reduce the accumulated per-GPU load and, on rank 0, set the load gauges.
+        Collective: called by the step hook on every rank at the same steps."""
+        n = self._acc_steps
+        if n == 0:  # identical on every rank: all skip together
+            return
+        rt = self.runtime
+        if rt.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(self._acc, group=rt.group)
+        if rt.rank == 0:
+            gpu = self._acc.cpu().numpy()  # [L, M], the one host sync, rank 0 only
+            try:
+                self._set_load(gpu, n)
+            except Exception:  # metrics must never break the training/serving loop
+                log.exception("eplb metrics: could not update the load gauges")
+        self._acc.zero_()
+        self._acc_steps = 0
+
+    def _set_load(self, gpu: np.ndarray, steps: int) -> None:  # gpu [L, M] summed over `steps`
+        bal = balancedness_of_gpu_loads(gpu)  # [L]
+        for layer, b in enumerate(bal):
+            self.balancedness.labels(str(layer)).set(float(b))
+        self._overall = float(bal.mean())
+        per_step = gpu.sum(0) / steps  # [M]
+        for g, tokens in enumerate(per_step):
+            self.gpu_load.labels(str(g)).set(float(tokens))
+
+    def _on_event(self, event: "RebalanceEvent") -> None:
+        self._event_seen = True
+        try:
+            self._record_event(event)
+            if event.slots_changed:
+                self._placement_changed_at = time.monotonic()
+        except Exception:
+            log.exception("eplb metrics: could not record a rebalance")
+        # load counted so far was routed under the old placement: start over (every rank
+        # receives the same events, so the accumulators stay in step)
+        self._acc.zero_()
+        self._acc_steps = 0
+
+    def _record_event(self, event: "RebalanceEvent") -> None:
+        self.rebalances.labels(event.trigger, "success").inc()
+        for phase, seconds in (("plan", event.seconds_plan), ("transfer", event.seconds_transfer),
+                               ("commit", event.seconds_commit), ("total", event.seconds)):
+            self.duration.labels(phase).observe(max(0.0, float(seconds)))
+        self.experts_moved.inc(max(0, int(event.experts_moved)))
+        self.bytes_moved.inc(max(0, int(event.bytes_moved)))
+        self.rebalance_balancedness.labels("before").set(float(np.mean(event.balancedness_before)))
+        self.rebalance_balancedness.labels("after").set(float(np.mean(event.balancedness_after)))
+        self._set_replicas(event.placement)
+
+    def _set_replicas(self, placement) -> None:
+        if self.replicas is None:
+            return
+        counts = placement.replica_count()  # [L, N]
+        for layer, row in enumerate(counts):
+            for expert, c in enumerate(row):
+                self.replicas.labels(str(layer), str(expert)).set(int(c))
+
+    def _info_labels(self) -> dict:
+        from eplb import __version__
+
+        rt, p = self.runtime, self.runtime.placement
+        return {"version": __version__, "policy": str(rt.config.policy),
+                "num_gpus": str(rt.world_size), "num_nodes": str(rt.config.num_nodes),
+                "num_slots": str(p.num_slots), "num_layers": str(p.num_layers)}
+
+    # ---- failures ------------------------------------------------------------------
+    def track(self) -> None:
+        """Count rebalances that raise as outcome="failure": wraps `runtime.rebalance` and
+        `runtime.apply_placement` (instance attributes, so `step()` goes through them too).
+        A call that raises after its success event was recorded (a later listener failing)
+        is not counted again. Idempotent; installed by the constructor by default."""
+        if self._tracked:
+            return
+        rt = self.runtime
+        rt.rebalance = self._wrap(rt.rebalance, trigger_pos=0)
+        rt.apply_placement = self._wrap(rt.apply_placement, trigger_pos=1)
+        self._tracked = True
+
+    def _wrap(self, fn: Callable, trigger_pos: int) -> Callable:
+        @functools.wraps(fn)
+        def tracked(*args, **kwargs):
+            outer = self._depth == 0
+            if outer:
+                self._event_seen = False
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            except Exception:
+                if outer and not self._event_seen:
+                    trigger = kwargs.get("trigger", args[trigger_pos] if len(args) > trigger_pos
+                                         else "api")
+                    self.rebalances.labels(str(trigger), "failure").inc()
+                raise
+            finally:
+                self._depth -= 1
+        return tracked
+
+    # ---- read back (tests, the demo) -----------------------------------------------
+    def value(self, name: str, **labels: str) -> float | None:
+        """Current value of one sample by its exposed name, e.g.
+        `value("eplb_rebalances_total", trigger="request", outcome="success")`."""
+        return self.registry.get_sample_value(name, labels or None)
+
+
+class _ScrapeTimeCollector:
+    """Values read when Prometheus scrapes: steps, window fill, placement age, and the
+    overall balancedness (absent until the first interval is measured, rather than 0)."""
+
+    def __init__(self, metrics: EplbMetrics):
+        self.m = metrics
+
+    def describe(self):
+        return [CounterMetricFamily("eplb_steps", "Runtime steps (forward passes) so far."),
+                GaugeMetricFamily("eplb_load_window_fill_ratio", ""),
+                GaugeMetricFamily("eplb_placement_age_seconds", ""),
+                GaugeMetricFamily("eplb_balancedness_overall_ratio", "")]
+
+    def collect(self):
+        rt = self.m.runtime
+        rec = rt.recorder
+        yield CounterMetricFamily("eplb_steps", "Runtime steps (forward passes) so far.",
+                                  value=rt.steps)
+        yield GaugeMetricFamily("eplb_load_window_fill_ratio", "Steps in the planner's load "
+                                "window divided by its size (1 = full).",
+                                value=rec.fill / max(1, rec.window_size))
+        yield GaugeMetricFamily("eplb_placement_age_seconds", "Seconds since the expert "
+                                "placement last changed (or since metrics were attached).",
+                                value=time.monotonic() - self.m._placement_changed_at)
+        overall = self.m._overall
+        if overall is not None:
+            yield GaugeMetricFamily("eplb_balancedness_overall_ratio", "eplb_balancedness_ratio "
+                                    "averaged over layers.", value=overall)

@@ -1,0 +1,470 @@
+"""HTTP endpoint of an EPLB job: Prometheus metrics, health, placement and an
+authenticated rebalance trigger. Started on rank 0 only (rank 0 aggregates the metrics,
+see `eplb.metrics`), so a job is one scrape target.
+
+    metrics = EplbMetrics(runtime)                       # every rank
+    if runtime.rank == 0:
+        server = EplbServer(runtime, metrics, port=9400).start()   # 127.0.0.1 unless told
+        print(server.url)
+
+    GET  /metrics          Prometheus exposition (text 0.0.4, or OpenMetrics if asked for)
+    GET  /healthz          200 {"status": "ok", "step", "rank", "world_size"}
+    GET  /placement        the placement in force: physical_to_logical [L][P], replica_count
+                           [L][N], logical_to_physical (slots of each expert), sizes, policy
+    POST /rebalance        bearer token required; 202 {"id", "status_url"}: every rank
+                           rebalances at the next control check (config.control_interval)
+    GET  /rebalance/<id>   {"id", "state": pending|running|done|failed, "step", "result",
+                           "error", ...}; 404 if unknown
+
+The token comes from `token=`, `token_file=`, the environment variable EPLB_TOKEN or the
+file named by EPLB_TOKEN_FILE (in that order). Without a token POST /rebalance answers
+403: the trigger is disabled rather than open. A missing or wrong token answers 401 and
+requests nothing. GET endpoints need no token: they are read-only, and the server binds
+127.0.0.1 unless given another host. Errors are JSON {"error": "..."} without stack
+traces; request bodies are limited to `max_body` bytes (413); requests are logged only
+at DEBUG level on the "eplb.server" logger.
+
+`trigger_rebalance()` / `rebalance_status()` / `wait_for_rebalance()` are the client side,
+used by `eplb trigger`.
+"""
+from __future__ import annotations
+
+import gzip
+import hmac
+import json
+import logging
+import os
+import re
+import socket
+import stat
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from eplb.metrics import EplbMetrics
+    from eplb.runtime import EplbRuntime
+
+log = logging.getLogger("eplb.server")
+
+MAX_BODY = 4096  # bytes; POST /rebalance takes no body, this only bounds what we read
+_DRAIN_LIMIT = 1 << 20  # bytes of an oversized body read and dropped so the client sees 413
+_ROUTES = {"/": ("GET",), "/metrics": ("GET",), "/healthz": ("GET",), "/placement": ("GET",),
+           "/rebalance": ("POST",)}
+_STATUS_ROUTE = re.compile(r"/rebalance/([0-9]{1,18})")
+
+
+def load_token(token: str | None = None, token_file: str | os.PathLike | None = None) -> str | None:
+    """The bearer token: `token`, else the contents of `token_file`, else $EPLB_TOKEN, else
+    the file named by $EPLB_TOKEN_FILE; None if none is set. Surrounding whitespace is
+    stripped; an empty token or an unreadable file is a ValueError."""
+    if token is not None:
+        if not token.strip():
+            raise ValueError("token is empty")
+        return token.strip()
+    if token_file is None:
+        env = os.environ.get("EPLB_TOKEN", "").strip()
+        if env:
+            return env
+        token_file = os.environ.get("EPLB_TOKEN_FILE") or None
+        if token_file is None:
+            return None
+    try:
+        with open(token_file, encoding="utf-8") as f:
+            value = f.read().strip()
+        mode = os.stat(token_file).st_mode
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"token file {token_file}: cannot read it "
+                         f"({getattr(e, 'strerror', None) or type(e).__name__})") from None
+    if not value:
+        raise ValueError(f"token file {token_file} is empty")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("token file %s is readable by group or others (chmod 600 it)", token_file)
+    return value
+
+
+def _json_default(o):
+    if hasattr(o, "tolist"):  # numpy arrays and scalars
+        return o.tolist()
+    raise TypeError(f"{type(o).__name__} is not JSON serializable")
+
+
+class EplbServer:
+    """The HTTP endpoint (stdlib ThreadingHTTPServer in a daemon thread).
+
+    `metrics`: an EplbMetrics (or a prometheus CollectorRegistry) served at /metrics;
+    None answers /metrics with 404. `port=0` picks a free port (read `.url`).
+    """
+
+    def __init__(self, runtime: "EplbRuntime", metrics: "EplbMetrics | None" = None,
+                 host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 token_file: str | os.PathLike | None = None, max_body: int = MAX_BODY):
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an int in 0..65535, got {port!r}")
+        self.runtime = runtime
+        self.registry = getattr(metrics, "registry", metrics)
+        self.host, self.port = host, port
+        self.token = load_token(token, token_file)
+        self.max_body = max_body
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. http://127.0.0.1:9400 (the bound port once started)."""
+        host = self.host if ":" not in self.host else f"[{self.host}]"
+        return f"http://{host}:{self.port}"
+
+    @property
+    def trigger_enabled(self) -> bool:
+        return self.token is not None
+
+    def start(self) -> "EplbServer":
+        """Bind and serve in a daemon thread; OSError if the address is taken."""
+        if self._httpd is not None:
+            return self
+        httpd = _Server((self.host, self.port), _Handler, ipv6=":" in self.host)
+        httpd.eplb = self
+        self.port = httpd.server_address[1]
+        self._httpd = httpd
+        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="eplb-http", daemon=True)
+        self._thread.start()
+        log.info("eplb server listening on %s", self.url)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close the socket (idempotent)."""
+        httpd, self._httpd = self._httpd, None
+        if httpd is None:
+            return
+        httpd.shutdown()
+        httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> "EplbServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    eplb: EplbServer
+
+    def __init__(self, address, handler, ipv6: bool = False):
+        if ipv6:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, handler)
+
+    def handle_error(self, request, client_address) -> None:  # no tracebacks on stderr
+        log.debug("eplb server: error while handling a request from %s", client_address,
+                  exc_info=True)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    server_version = "eplb"
+    sys_version = ""
+    timeout = 10  # seconds a client may stall mid-request before the socket is closed
+    protocol_version = "HTTP/1.0"  # one request per connection
+
+    # ---- plumbing -----------------------------------------------------------------
+    def version_string(self) -> str:
+        return self.server_version
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 (stdlib signature)
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """Malformed requests caught by the stdlib (bad request line, 414, 431, 501): JSON."""
+        self.close_connection = True
+        if self.request_version == "HTTP/0.9":  # unparsable request line: answer with a status line
+            self.request_version = "HTTP/1.0"
+        try:
+            self._json(code, {"error": message or HTTPStatus(code).phrase})
+        except OSError:
+            pass
+
+    def _send(self, code: int, body: bytes, content_type: str, headers: dict | None = None) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, code: int, obj: dict, headers: dict | None = None) -> None:
+        body = (json.dumps(obj, default=_json_default) + "\n").encode()
+        self._send(code, body, "application/json", headers)
+
+    def _error(self, code: int, message: str, headers: dict | None = None) -> None:
+        self._json(code, {"error": message}, headers)
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_HEAD(self) -> None:
+        self._dispatch("HEAD")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    def do_PATCH(self) -> None:
+        self._dispatch("PATCH")
+
+    def do_OPTIONS(self) -> None:
+        self._dispatch("OPTIONS")
+
+    def _read_body(self) -> bytes | None:
+        """The request body, or None after answering 400/411/413."""
+        self.close_connection = True
+        if self.headers.get("Transfer-Encoding"):
+            self._error(411, "send a Content-Length, not a chunked body")
+            return None
+        length = self.headers.get("Content-Length")
+        if length is None:
+            return b""
+        if not length.strip().isdigit():
+            self._error(400, "invalid Content-Length")
+            return None
+        n = int(length)
+        limit = self.server.eplb.max_body
+        if n > limit:
+            self._error(413, f"request body too large ({n} bytes, at most {limit})")
+            self._drain(n)
+            return None
+        return self.rfile.read(n) if n else b""
+
+    def _drain(self, n: int) -> None:
+        """Read (and drop) a rejected body so the client can finish sending and read our
+        answer instead of a connection reset; bounded in bytes and time."""
+        try:
+            self.wfile.flush()
+            self.connection.settimeout(1.0)
+            left = min(n, _DRAIN_LIMIT)
+            while left > 0:
+                chunk = self.rfile.read1(min(65536, left))
+                if not chunk:
+                    break
+                left -= len(chunk)
+        except OSError:
+            pass
+
+    def _dispatch(self, method: str) -> None:
+        try:
+            if self._read_body() is None:
+                return
+            path = urllib.parse.urlsplit(self.path).path
+            if path != "/":
+                path = path.rstrip("/") or "/"
+            m = _STATUS_ROUTE.fullmatch(path)
+            allowed = ("GET",) if m else _ROUTES.get(path)
+            if allowed is None:
+                self._error(404, f"no such endpoint: {path}")
+                return
+            effective = "GET" if method == "HEAD" and "GET" in allowed else method
+            if effective not in allowed:
+                self._error(405, f"{method} is not allowed on {path} (use {', '.join(allowed)})",
+                            {"Allow": ", ".join(allowed + (("HEAD",) if "GET" in allowed else ()))})
+                return
+            if m:
+                self._status(int(m.group(1)))
+            elif path == "/rebalance":
+                self._rebalance()
+            else:
+                {"/": self._index, "/metrics": self._metrics, "/healthz": self._healthz,
+                 "/placement": self._placement}[path]()
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            log.debug("eplb server: client went away", exc_info=True)
+        except Exception:
+            log.exception("eplb server: internal error on %s %s", method, self.path)
+            try:
+                self._error(500, "internal error (see the server log)")
+            except OSError:
+                pass
+
+    # ---- endpoints -------------------------------------------------------------------
+    def _index(self) -> None:
+        self._json(200, {"endpoints": ["GET /metrics", "GET /healthz", "GET /placement",
+                                       "POST /rebalance", "GET /rebalance/<id>"]})
+
+    def _metrics(self) -> None:
+        registry = self.server.eplb.registry
+        if registry is None:
+            self._error(404, "metrics are not enabled on this server")
+            return
+        from prometheus_client.exposition import choose_encoder
+
+        encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+        body = encoder(registry)
+        headers = {}
+        if "gzip" in self.headers.get("Accept-Encoding", "") and len(body) > 1024:
+            body, headers["Content-Encoding"] = gzip.compress(body), "gzip"
+        self._send(200, body, content_type, headers)
+
+    def _healthz(self) -> None:
+        rt = self.server.eplb.runtime
+        self._json(200, {"status": "ok", "step": rt.steps, "rank": rt.rank,
+                         "world_size": rt.world_size})
+
+    def _placement(self) -> None:
+        rt = self.server.eplb.runtime
+        placement = rt.placement  # one read: a rebalance replaces the object, never mutates it
+        d = placement.to_dict()
+        counts = placement.replica_count()  # [L, N]
+        d["replica_count"] = counts.tolist()
+        l2p = placement.logical_to_physical()  # [L, N, R], -1 padded
+        d["logical_to_physical"] = [[[int(s) for s in row if s >= 0] for row in layer]
+                                    for layer in l2p]
+        d["step"] = rt.steps
+        self._json(200, d)
+
+    def _rebalance(self) -> None:
+        srv = self.server.eplb
+        if srv.token is None:
+            self._error(403, "the rebalance trigger is disabled: no token is configured "
+                             "(set EPLB_TOKEN or EPLB_TOKEN_FILE on the job)")
+            return
+        scheme, _, credentials = self.headers.get("Authorization", "").strip().partition(" ")
+        given = credentials.strip() if scheme.lower() == "bearer" else ""
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
+                                   srv.token.encode("utf-8")):
+            self._error(401, "missing or wrong bearer token",
+                        {"WWW-Authenticate": 'Bearer realm="eplb"'})
+            return
+        rt = srv.runtime
+        if not rt.config.control_interval:
+            self._error(409, "this runtime never serves rebalance requests (control_interval=0)")
+            return
+        rid = rt.request_rebalance("http")
+        status_url = f"/rebalance/{rid}"
+        log.info("eplb server: rebalance %d requested by %s", rid, self.address_string())
+        self._json(202, {"id": rid, "status_url": status_url, "state": "pending"},
+                   {"Location": status_url})
+
+    def _status(self, rid: int) -> None:
+        status = self.server.eplb.runtime.rebalance_status(rid)
+        if status is None:
+            self._error(404, f"no rebalance request with id {rid}")
+            return
+        self._json(200, status)
+
+
+# ==== client side (`eplb trigger`) ====================================================
+
+class TriggerError(Exception):
+    """A one-line reason the request did not get through (unreachable, refused, timeout)."""
+
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
+
+
+def _base(url: str) -> str:
+    u = url.strip().rstrip("/")
+    if not re.match(r"https?://", u):
+        raise TriggerError(f"URL must start with http:// or https://, got {url!r}")
+    if u.endswith("/rebalance"):
+        u = u[: -len("/rebalance")]
+    return u
+
+
+def _call(method: str, url: str, token: str | None = None, timeout: float = 10.0) -> dict:
+    headers = {"Accept": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=b"" if method == "POST" else None, method=method,
+                                 headers=headers)
+    try:
+        with _OPENER.open(req, timeout=timeout) as r:
+            raw = r.read(1 << 20)
+    except urllib.error.HTTPError as e:
+        try:
+            msg = json.loads(e.read(65536) or b"{}").get("error") or e.reason
+        except (ValueError, AttributeError, OSError):
+            msg = e.reason
+        try:
+            phrase = f" {HTTPStatus(e.code).phrase}"
+        except ValueError:
+            phrase = ""
+        raise TriggerError(f"{method} {url}: {e.code}{phrase}: {msg}") from None
+    except urllib.error.URLError as e:
+        reason = e.reason
+        if isinstance(reason, (TimeoutError, socket.timeout)):
+            raise TriggerError(f"{method} {url}: no answer within {timeout:g} s") from None
+        text = getattr(reason, "strerror", None) or str(reason)
+        raise TriggerError(f"{method} {url}: cannot connect ({text})") from None
+    except (TimeoutError, socket.timeout):
+        raise TriggerError(f"{method} {url}: no answer within {timeout:g} s") from None
+    except (OSError, ValueError) as e:  # connection reset, bad port number, ...
+        raise TriggerError(f"{method} {url}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        raise TriggerError(f"{method} {url}: the answer is not JSON (is this an eplb server?)") from None
+    if not isinstance(d, dict):
+        raise TriggerError(f"{method} {url}: unexpected answer {d!r:.80}")
+    return d
+
+
+def trigger_rebalance(url: str, token: str | None = None, timeout: float = 10.0) -> dict:
+    """POST /rebalance at the server `url` (its base URL); returns {"id", "status_url", ...}."""
+    d = _call("POST", _base(url) + "/rebalance", token, timeout)
+    if not isinstance(d.get("id"), int):
+        raise TriggerError(f"POST {url}: the answer has no request id")
+    return d
+
+
+def rebalance_status(url: str, request_id: int, timeout: float = 10.0) -> dict:
+    """GET /rebalance/<id>: the request's state dict."""
+    return _call("GET", f"{_base(url)}/rebalance/{int(request_id)}", None, timeout)
+
+
+def wait_for_rebalance(url: str, request_id: int, wait: float, poll: float = 0.05) -> dict:
+    """Poll the request until it is done or failed; TriggerError after `wait` seconds."""
+    deadline = time.monotonic() + wait
+    status: dict = {}
+    while True:
+        left = deadline - time.monotonic()
+        status = rebalance_status(url, request_id, timeout=max(0.5, min(10.0, left + 0.5)))
+        if status.get("state") in ("done", "failed"):
+            return status
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TriggerError(f"rebalance {request_id} still {status.get('state', 'unknown')} "
+                               f"after {wait:g} s")
+        time.sleep(min(poll, left))
+        poll = min(1.0, poll * 1.5)
+
+
+def describe_status(status: dict) -> str:
+    """One line for a finished request, e.g. 'done at step 40: balancedness 0.87 -> 0.99 ...'."""
+    step = status.get("step")
+    at = f" at step {step}" if step is not None else ""
+    if status.get("state") == "failed":
+        return f"failed{at}: {status.get('error') or 'unknown error'}"
+    r = status.get("result") or {}
+    try:
+        seconds = r["seconds_plan"] + r["seconds_transfer"] + r["seconds_commit"]
+        return (f"done{at}: balancedness {r['balancedness_before']:.3f} -> "
+                f"{r['balancedness_after']:.3f} (predicted), {r['experts_moved']} experts moved, "
+                f"{r['bytes_moved'] / 1e6:.2f} MB, {seconds * 1e3:.1f} ms")
+    except (KeyError, TypeError):
+        return f"{status.get('state', 'unknown')}{at}"

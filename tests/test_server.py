@@ -1,0 +1,370 @@
+"""EplbServer over real HTTP on 127.0.0.1 with a single-process runtime stepping in a
+background thread: health, placement, metrics, the authenticated trigger (401 and 403
+change nothing), request status, error codes, and `eplb trigger` against the live server."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import queue
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from _dist import free_port
+from eplb.cli import main
+from eplb.metrics import EplbMetrics
+from eplb.server import EplbServer, load_token
+from test_metrics import Boom, make_runtime, skewed_pass
+
+TOKEN = "test-token-0123456789"
+DEADLINE = 10.0  # seconds any bounded wait in this file may take at most
+
+
+class Job:
+    """A runtime stepping in a background thread (as a serving loop would) plus its server."""
+
+    def __init__(self, token: str | None = TOKEN, step_loop: bool = True, **config):
+        self.runtime = make_runtime(**{"control_interval": 2, **config})
+        self.metrics = EplbMetrics(self.runtime, interval=2)
+        self.server = EplbServer(self.runtime, self.metrics, port=0, token=token).start()
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True) if step_loop else None
+        if self._thread:
+            self._thread.start()
+
+    def _loop(self) -> None:
+        load = skewed_pass()
+        while not self._stop.is_set():
+            self.runtime.expert_load_pass.copy_(load)
+            try:
+                self.runtime.step()
+            except Exception as e:  # a failing rebalance: record, keep serving
+                self.errors.append(e)
+            time.sleep(0.002)
+
+    def wait_steps(self, n: int) -> None:
+        """Block until the loop has made `n` more steps (bounded)."""
+        target, deadline = self.runtime.steps + n, time.monotonic() + DEADLINE
+        while self.runtime.steps < target:
+            assert time.monotonic() < deadline, "the step loop stalled"
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=5)
+        self.server.stop()
+
+
+@pytest.fixture
+def job():
+    j = Job()
+    yield j
+    j.close()
+
+
+def request(server: EplbServer | int, method: str, path: str, body: bytes | None = None,
+            headers: dict | None = None) -> tuple[int, dict, bytes]:
+    """One HTTP exchange with the server (or a port) on 127.0.0.1."""
+    port = getattr(server, "port", server)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=DEADLINE)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+def get_json(server, path, **kw) -> tuple[int, dict]:
+    status, headers, body = request(server, "GET", path, **kw)
+    assert headers["content-type"] == "application/json"
+    return status, json.loads(body)
+
+
+def post_rebalance(server, token: str | None = TOKEN, body: bytes | None = None):
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    status, h, raw = request(server, "POST", "/rebalance", body=body, headers=headers)
+    return status, h, json.loads(raw)
+
+
+def scrape(server) -> dict:
+    status, headers, body = request(server, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+
+
+def rebalances(samples: dict) -> float:
+    return sum(v for (name, _), v in samples.items() if name == "eplb_rebalances_total")
+
+
+def wait_state(server, rid: int, states=("done", "failed")) -> dict:
+    deadline = time.monotonic() + DEADLINE
+    while True:
+        status, d = get_json(server, f"/rebalance/{rid}")
+        assert status == 200
+        if d["state"] in states:
+            return d
+        assert time.monotonic() < deadline, d
+        time.sleep(0.01)
+
+
+def test_healthz_placement_metrics(job):
+    srv, rt = job.server, job.runtime
+    assert srv.url == f"http://127.0.0.1:{srv.port}" and srv.host == "127.0.0.1"
+    job.wait_steps(3)
+    status, d = get_json(srv, "/healthz")
+    assert status == 200 and d["status"] == "ok" and d["rank"] == 0 and d["world_size"] == 1
+    assert d["step"] >= 3
+    status, d = get_json(srv, "/placement")
+    p = rt.placement  # no rebalance runs in this test: the placement is fixed
+    assert status == 200
+    assert d["physical_to_logical"] == p.physical_to_logical.tolist()
+    assert d["replica_count"] == p.replica_count().tolist()
+    assert d["num_gpus"] == 1 and d["num_slots"] == 12 and d["num_layers"] == 2
+    assert d["logical_to_physical"][0][0] == [0, 8]  # expert 0 in slots 0 and 8 at start
+    samples = scrape(srv)
+    assert samples[("eplb_steps_total", ())] >= 3
+    assert samples[("eplb_gpu_load_tokens", (("gpu", "0"),))] == int(skewed_pass().sum())
+    assert rebalances(samples) == 0
+    status, headers, body = request(srv, "GET", "/metrics",
+                                    headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert headers["content-type"].startswith("application/openmetrics-text")
+    assert body.rstrip().endswith(b"# EOF")
+
+
+def test_post_without_or_with_wrong_token_does_nothing(job, capfd):
+    srv, rt = job.server, job.runtime
+    before = rebalances(scrape(srv))
+    for headers in ({}, {"Authorization": "Bearer wrong-token"}, {"Authorization": f"Basic {TOKEN}"},
+                    {"Authorization": f"Bearer {TOKEN}x"}, {"Authorization": TOKEN}):
+        status, h, body = request(srv, "POST", "/rebalance", headers=headers)
+        assert status == 401, headers
+        assert h["www-authenticate"].startswith("Bearer")
+        assert json.loads(body) == {"error": "missing or wrong bearer token"}
+    job.wait_steps(3 * rt.config.control_interval)  # several control checks go by
+    assert rt.events == [] and not rt.requests.has_pending()
+    assert rebalances(scrape(srv)) == before == 0
+    assert capfd.readouterr().err == ""  # no per-request logging
+
+
+def test_post_with_token_rebalances(job):
+    srv, rt = job.server, job.runtime
+    status, headers, d = post_rebalance(srv)
+    assert status == 202 and isinstance(d["id"], int)
+    assert d["status_url"] == f"/rebalance/{d['id']}" == headers["location"]
+    done = wait_state(srv, d["id"])
+    assert done["state"] == "done" and done["trigger"] == "http", done
+    assert done["result"]["trigger"] == "request"
+    assert done["result"]["experts_moved"] == rt.events[0].experts_moved
+    samples = scrape(srv)
+    assert samples[("eplb_rebalances_total", (("outcome", "success"), ("trigger", "request")))] == 1
+    assert rebalances(samples) == 1
+    assert samples[("eplb_rebalance_duration_seconds_count", (("phase", "total"),))] == 1
+    _, placement = get_json(srv, "/placement")
+    assert placement["physical_to_logical"] == rt.placement.physical_to_logical.tolist()
+    assert job.errors == []
+
+
+def test_failed_rebalance_is_reported(job):
+    job.runtime.executor = Boom()
+    status, _, d = post_rebalance(job.server)
+    assert status == 202
+    failed = wait_state(job.server, d["id"])
+    assert failed["state"] == "failed" and "transfer failed" in failed["error"]
+    samples = scrape(job.server)
+    assert samples[("eplb_rebalances_total", (("outcome", "failure"), ("trigger", "request")))] == 1
+    assert len(job.errors) == 1
+
+
+def test_no_token_configured_refuses_post(monkeypatch):
+    monkeypatch.delenv("EPLB_TOKEN", raising=False)
+    monkeypatch.delenv("EPLB_TOKEN_FILE", raising=False)
+    j = Job(token=None)
+    try:
+        assert not j.server.trigger_enabled
+        for token in (None, TOKEN, ""):
+            status, _, d = post_rebalance(j.server, token)
+            assert status == 403 and "no token is configured" in d["error"]
+        j.wait_steps(3 * j.runtime.config.control_interval)
+        assert j.runtime.events == [] and not j.runtime.requests.has_pending()
+    finally:
+        j.close()
+
+
+def test_error_codes_are_json(job):
+    srv = job.server
+    for method, path, code in (("GET", "/nope", 404), ("GET", "/rebalance/999999", 404),
+                               ("GET", "/rebalance/abc", 404), ("POST", "/healthz/x", 404),
+                               ("POST", "/metrics", 405), ("GET", "/rebalance", 405),
+                               ("DELETE", "/healthz", 405), ("PUT", "/rebalance", 405)):
+        status, headers, body = request(srv, method, path)
+        assert status == code, (method, path, status)
+        assert headers["content-type"] == "application/json"
+        d = json.loads(body)
+        assert set(d) == {"error"} and "Traceback" not in d["error"]
+        if code == 405:
+            assert "allow" in headers
+    status, headers, body = request(srv, "HEAD", "/healthz")
+    assert status == 200 and body == b""
+    # bodies: too large -> 413 (nothing requested), bad length -> 400
+    status, _, d = post_rebalance(srv, body=b"x" * 8192)
+    assert status == 413 and "too large" in d["error"]
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=DEADLINE)
+    conn.putrequest("POST", "/rebalance")
+    conn.putheader("Authorization", f"Bearer {TOKEN}")
+    conn.putheader("Content-Length", "-5")
+    conn.endheaders()
+    r = conn.getresponse()
+    assert r.status == 400 and json.loads(r.read())["error"] == "invalid Content-Length"
+    conn.close()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=DEADLINE) as s:
+        s.sendall(b"NOT A REQUEST\r\n\r\n")  # the stdlib's own error path answers JSON too
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.0 400") and b'{"error": ' in reply
+    assert not job.runtime.requests.has_pending() and job.runtime.events == []
+
+
+def test_load_token(tmp_path, monkeypatch):
+    monkeypatch.delenv("EPLB_TOKEN", raising=False)
+    monkeypatch.delenv("EPLB_TOKEN_FILE", raising=False)
+    assert load_token() is None
+    f = tmp_path / "token"
+    f.write_text(" from-file\n")
+    f.chmod(0o600)
+    assert load_token(token_file=f) == "from-file"
+    monkeypatch.setenv("EPLB_TOKEN_FILE", str(f))
+    assert load_token() == "from-file"
+    monkeypatch.setenv("EPLB_TOKEN", "from-env")
+    assert load_token() == "from-env" and load_token("explicit") == "explicit"
+    f.write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        load_token(token_file=f)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_token(token_file=tmp_path / "missing")
+
+
+def run_cli(argv, capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_trigger_cli(job, capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("EPLB_TOKEN", raising=False)
+    monkeypatch.delenv("EPLB_TOKEN_FILE", raising=False)
+    url = job.server.url
+    code, out, err = run_cli(["trigger", url, "--token", TOKEN, "--wait", str(DEADLINE)], capsys)
+    assert code == 0, err
+    rid, outcome = out.splitlines()
+    assert job.runtime.rebalance_status(int(rid))["state"] == "done"
+    assert outcome.startswith("done at step ") and "experts moved" in outcome
+    f = tmp_path / "token"
+    f.write_text(TOKEN + "\n")
+    code, out, err = run_cli(["trigger", url + "/", "--token-file", str(f)], capsys)
+    assert code == 0 and out.strip().isdigit() and int(out) == int(rid) + 1, err
+    monkeypatch.setenv("EPLB_TOKEN", TOKEN)
+    code, out, _ = run_cli(["trigger", url, "--wait", str(DEADLINE)], capsys)
+    assert code == 0 and out.splitlines()[1].startswith("done")
+    monkeypatch.delenv("EPLB_TOKEN")
+    # errors: one line, exit 2
+    code, out, err = run_cli(["trigger", url, "--token", "wrong"], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("eplb trigger: error: POST") and "401 Unauthorized" in err
+    code, out, err = run_cli(["trigger", url], capsys)
+    assert code == 2 and "401" in err
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    code, out, err = run_cli(["trigger", f"http://127.0.0.1:{dead}", "--token", TOKEN], capsys)
+    assert code == 2 and err.count("\n") == 1 and "cannot connect" in err
+    code, _, err = run_cli(["trigger", "127.0.0.1:9400", "--token", TOKEN], capsys)
+    assert code == 2 and "http://" in err
+    # a failed rebalance: exit 1 with the reason
+    job.runtime.executor = Boom()
+    code, out, err = run_cli(["trigger", url, "--token", TOKEN, "--wait", str(DEADLINE)], capsys)
+    assert code == 1 and out.splitlines()[1].startswith("failed at step ") and "transfer failed" in out
+
+
+def test_trigger_cli_wait_times_out(capsys):
+    j = Job(step_loop=False)  # nobody steps: the request stays pending
+    try:
+        t0 = time.monotonic()
+        code, out, err = run_cli(["trigger", j.server.url, "--token", TOKEN, "--wait", "0.3"], capsys)
+        assert code == 2 and out.strip().isdigit()
+        assert err.strip() == f"eplb trigger: error: rebalance {out.strip()} still pending after 0.3 s"
+        assert time.monotonic() - t0 < 3
+    finally:
+        j.close()
+
+
+def test_trigger_console_script_bad_token(job):
+    """The installed entry point: exit status 2 and one line on stderr."""
+    script = Path(sys.executable).parent / "eplb"
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "eplb.cli"]
+    r = subprocess.run(cmd + ["trigger", job.server.url, "--token", "nope"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "401" in r.stderr
+    assert job.runtime.events == []
+
+
+def test_demo_serves_metrics_then_holds(tmp_path, monkeypatch):
+    """`python -m eplb.demo --metrics-port 0 --metrics-hold S` (one rank, torchrun's
+    environment): prints the URL once, serves the final values for S seconds, exits 0."""
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if k not in ("EPLB_TOKEN", "EPLB_TOKEN_FILE")}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1")
+    hold = 1.5
+    p = subprocess.Popen([sys.executable, "-m", "eplb.demo", "--steps", "20", "--rebalance-every", "10",
+                          "--layers", "2", "--experts", "8", "--tokens", "32", "--hidden", "16",
+                          "--intermediate", "16", "--metrics-port", "0", "--metrics-interval", "5",
+                          "--metrics-hold", str(hold), "--token-file", str(token)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in p.stdout] + [lines.put(None)],
+                     daemon=True).start()
+    try:
+        seen, url = [], None
+        deadline = time.monotonic() + 60
+        while True:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line is not None, (seen, p.stderr.read())
+            seen.append(line)
+            if line.startswith("eplb demo: serving "):
+                held_at = time.monotonic()
+                break
+        urls = [ln for ln in seen if "/metrics" in ln and "metrics at" in ln]
+        assert len(urls) == 1 and "POST /rebalance with the bearer token" in urls[0], seen
+        url = re.search(r"(http://127\.0\.0\.1:\d+)/metrics", urls[0]).group(1)
+        srv = int(url.rsplit(":", 1)[1])  # the port
+        samples = scrape(srv)
+        assert samples[("eplb_steps_total", ())] == 20
+        assert samples[("eplb_rebalances_total", (("outcome", "success"), ("trigger", "interval")))] == 2
+        assert 0 < samples[("eplb_balancedness_overall_ratio", ())] <= 1
+        status, _, d = post_rebalance(srv, TOKEN)  # accepted; nobody steps any more
+        assert status == 202
+        assert p.wait(timeout=30) == 0
+        assert time.monotonic() - held_at >= hold - 0.5
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
