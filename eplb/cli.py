@@ -1,4 +1,6 @@
-"""`eplb` command line: `eplb demo` (launch the demo job) and `eplb plan` (plan a placement).
+"""`eplb` command line: `eplb demo` (launch the demo job), `eplb plan` (plan a placement) and
+`eplb simulate` (replay a load trace under policies, offline); `eplb trigger` (ask a running
+job's server to rebalance).
 
 Every bad input exits with status 2 and one line on stderr naming the problem.
 """
@@ -92,6 +94,85 @@ def cmd_plan(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trigger(a: argparse.Namespace) -> int:
+    from eplb.server import (TriggerError, describe_status, load_token, trigger_rebalance,
+                             wait_for_rebalance)
+
+    if a.wait is not None and not 0 <= a.wait <= 86400:
+        raise ValueError(f"--wait must be between 0 and 86400 seconds, got {a.wait:g}")
+    try:
+        token = load_token(a.token, a.token_file)  # else $EPLB_TOKEN / $EPLB_TOKEN_FILE
+        reply = trigger_rebalance(a.url, token)
+        print(reply["id"], flush=True)
+        if a.wait is None:
+            return 0
+        status = wait_for_rebalance(a.url, reply["id"], a.wait)
+    except TriggerError as e:
+        raise ValueError(str(e)) from None
+    print(describe_status(status))
+    return 0 if status.get("state") == "done" else 1
+
+
+def _float(name: str):
+    def conv(s: str) -> float:
+        try:
+            return float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}") from None
+    return conv
+
+
+def cmd_simulate(a: argparse.Namespace) -> int:
+    import importlib.util
+
+    from eplb.progress import ProgressBar
+    from eplb.simulate import (aggregate_steps, format_table, plot_result, read_trace, rebalance_steps,
+                               simulate)
+
+    for opt, path in (("--json", a.json), ("--plot", a.plot)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"{opt}: directory does not exist: {Path(path).parent}")
+    if a.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install 'eplb[plot]' (or pip install matplotlib)")
+    raw = read_trace(a.trace)  # [T, L, N]
+    trace = aggregate_steps(raw, a.aggregate)  # [T // A, L, N]
+    T, L, N = trace.shape
+    dropped = raw.shape[0] - T * a.aggregate
+    start = a.start if a.start is not None else a.interval
+    n_plans = len(rebalance_steps(T, a.interval, start)) * len(a.policy) * (1 if a.no_oracle else 2)
+    bar = ProgressBar(n_plans, label="simulate") if n_plans >= 50 else None
+    result = simulate(trace, a.num_gpus, a.num_slots, a.window, a.interval, policies=a.policy,
+                      num_nodes=a.num_nodes, num_groups=a.num_groups, decay=a.decay,
+                      move_tolerance=a.move_tolerance, weighted=a.weighted,
+                      bytes_per_expert=a.bytes_per_expert, start=a.start, oracle=not a.no_oracle,
+                      progress=bar.update if bar else None)
+    if bar:
+        bar.close()
+    cfg = result.config
+    steps_desc = (f"{raw.shape[0]} steps" if a.aggregate == 1 else
+                  f"{raw.shape[0]} entries summed in groups of {a.aggregate} -> {T} steps"
+                  + (f" (last {dropped} dropped)" if dropped else ""))
+    print(f"eplb simulate: {a.trace}: {steps_desc}, {L} layers x {N} experts; {a.num_gpus} GPUs, "
+          f"{a.num_slots} slots, {a.num_nodes} node(s), {a.num_groups} group(s); window {a.window}, "
+          f"interval {a.interval}, decay {a.decay:g}, move tolerance {a.move_tolerance:g}"
+          f"{', weighted' if a.weighted else ''}")
+    print(f"{len(cfg['rebalance_steps'])} rebalances per policy; steps {cfg['start']}..{T - 1} scored")
+    print(format_table(result))
+    if a.json:
+        d = result.to_dict()
+        d["trace"] = {"source": a.trace, "entries": int(raw.shape[0]), "aggregate": a.aggregate,
+                      "dropped": int(dropped)}
+        Path(a.json).write_text(json.dumps(d) + "\n")
+        print(f"wrote {a.json}")
+    if a.plot:
+        title = (f"{a.trace}: {steps_desc}\n{a.num_gpus} GPUs, {a.num_slots} slots, window {a.window}, "
+                 f"interval {a.interval}, decay {a.decay:g}")
+        plot_result(result, a.plot, title=title,
+                    step_label="step" if a.aggregate == 1 else f"step ({a.aggregate} trace entries each)")
+        print(f"wrote {a.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from eplb.demo import add_demo_arguments
 
@@ -119,6 +200,57 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--previous", metavar="FILE", help="current placement (keeps experts in place)")
     pl.add_argument("--out", required=True, metavar="FILE", help="output .json (or .npy/.pt)")
     pl.set_defaults(func=cmd_plan)
+
+    tr = sub.add_parser(
+        "trigger", help="ask a running job to rebalance now (POST /rebalance)",
+        description="POST /rebalance to a job's eplb server (started on rank 0) and print the "
+                    "request id; with --wait, poll until the rebalance is done or failed and print "
+                    "the outcome. The token comes from --token, --token-file, $EPLB_TOKEN or "
+                    "$EPLB_TOKEN_FILE. Exit status: 0 done (or requested), 1 the rebalance failed, "
+                    "2 the request did not get through (unreachable, 401/403, timeout).")
+    tr.add_argument("url", help="the server's base URL, e.g. http://127.0.0.1:9400")
+    tok = tr.add_mutually_exclusive_group()
+    tok.add_argument("--token", default=None,
+                     help="bearer token (visible in the process list: prefer --token-file or $EPLB_TOKEN)")
+    tok.add_argument("--token-file", default=None, metavar="FILE", help="file holding the bearer token")
+    tr.add_argument("--wait", type=float, default=None, metavar="SECONDS",
+                    help="wait up to SECONDS for the rebalance to finish and print its outcome")
+    tr.set_defaults(func=cmd_trigger)
+
+    sm = sub.add_parser(
+        "simulate", help="replay a [T, L, N] load trace under policies and score them out of sample",
+        description="Replay a measured load trace offline: every --interval steps each policy plans "
+                    "on the last --window steps (older steps weighted decay**age) with the placement "
+                    "in force as `previous`; every following step is scored with max/mean GPU load "
+                    "per layer. Also reports 'none' (start-up placement) and 'oracle' (planned on the "
+                    "scored steps themselves).")
+    sm.add_argument("trace", help="'esft' (packaged) or a .npy / .npz file holding [T, L, N] counts")
+    sm.add_argument("--num-gpus", type=_positive("--num-gpus"), required=True)
+    sm.add_argument("--num-slots", type=_positive("--num-slots"), required=True,
+                    help="physical slots per layer (N + redundant), divisible by --num-gpus")
+    sm.add_argument("--window", type=_positive("--window"), required=True,
+                    help="steps of load each plan sees (after --aggregate)")
+    sm.add_argument("--interval", type=_positive("--interval"), required=True,
+                    help="replan every this many steps (after --aggregate)")
+    sm.add_argument("--policy", action="append", default=None, metavar="NAME",
+                    help="policy to replay; repeat for several side by side (default: default)")
+    sm.add_argument("--num-nodes", type=_positive("--num-nodes"), default=1)
+    sm.add_argument("--num-groups", type=_positive("--num-groups"), default=1)
+    sm.add_argument("--decay", type=_float("--decay"), default=1.0,
+                    help="weight of a step k steps older than the newest: decay**k (default 1 = sum)")
+    sm.add_argument("--move-tolerance", type=_float("--move-tolerance"), default=0.02)
+    sm.add_argument("--weighted", action="store_true", help="ask the policies for weighted replicas")
+    sm.add_argument("--aggregate", type=_positive("--aggregate"), default=1, metavar="A",
+                    help="first sum every A consecutive trace entries into one step (default 1)")
+    sm.add_argument("--start", type=_positive("--start"), default=None,
+                    help="step of the first plan (default: --interval, as the runtime)")
+    sm.add_argument("--bytes-per-expert", type=_positive("--bytes-per-expert"), default=None,
+                    help="bytes of one expert's weights, to report bytes moved")
+    sm.add_argument("--no-oracle", action="store_true", help="skip the oracle reference (half the work)")
+    sm.add_argument("--json", metavar="FILE", help="write every figure (per step, per rebalance) to FILE")
+    sm.add_argument("--plot", metavar="PNG", help="draw imbalance over time and moves per rebalance "
+                                                  "(needs matplotlib: pip install 'eplb[plot]')")
+    sm.set_defaults(func=cmd_simulate)
     return p
 
 
@@ -128,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     a.argv = argv
+    if a.command == "simulate" and a.policy is None:
+        a.policy = ["default"]
     try:
         return a.func(a)
     except ValueError as e:

@@ -60,6 +60,21 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drift-period", type=int, default=200,
                    help="steps per regime of the synthetic load (default 200)")
     p.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("metrics and HTTP trigger (rank 0 serves them)")
+    m.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics, /healthz, /placement and POST /rebalance on "
+                        "PORT (0 = any free port; the URL is printed)")
+    m.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it to the network)")
+    m.add_argument("--metrics-interval", type=int, default=10, metavar="STEPS",
+                   help="steps between load-gauge updates (one all-reduce each; default 10)")
+    m.add_argument("--metrics-replicas", action="store_true",
+                   help="also export eplb_expert_replicas{layer,expert} (L x N series)")
+    m.add_argument("--metrics-hold", type=float, default=0.0, metavar="SECONDS",
+                   help="keep serving SECONDS after the last step, so a scraper reads the final values")
+    m.add_argument("--token-file", default=None, metavar="FILE",
+                   help="bearer token for POST /rebalance (else $EPLB_TOKEN / $EPLB_TOKEN_FILE; "
+                        "with none, POST /rebalance is refused with 403)")
 
 
 def check_demo_arguments(a: argparse.Namespace) -> None:
@@ -69,6 +84,21 @@ def check_demo_arguments(a: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(a, name)}")
     if a.rebalance_every < 0:
         raise ValueError(f"--rebalance-every: must be >= 0 (0 = never), got {a.rebalance_every}")
+    if a.metrics_port is None:
+        for flag, value in (("--token-file", a.token_file), ("--metrics-hold", a.metrics_hold),
+                            ("--metrics-replicas", a.metrics_replicas)):
+            if value:
+                raise ValueError(f"{flag} needs --metrics-port")
+    else:
+        if not 0 <= a.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port: must be in 0..65535, got {a.metrics_port}")
+        if a.metrics_interval < 1:
+            raise ValueError(f"--metrics-interval: must be >= 1, got {a.metrics_interval}")
+        if not 0 <= a.metrics_hold <= 86400:
+            raise ValueError(f"--metrics-hold: must be in 0..86400 seconds, got {a.metrics_hold:g}")
+        from eplb.server import load_token
+
+        load_token(token_file=a.token_file)  # unreadable or empty token file: one line, early
     a.experts = a.experts or (64 if a.trace else 32)
     a.top_k = a.top_k or (6 if a.trace else 4)
     a.window = a.window or max(1, a.rebalance_every)
@@ -139,10 +169,12 @@ def run(a: argparse.Namespace) -> int:
     records, t_start = [], time.perf_counter()
     bar = ProgressBar(a.steps, label="demo") if rank == 0 else None
     if rank == 0:
-        print(f"eplb demo: {world} ranks on {a.device}, {L} MoE layers x {a.experts} experts "
+        print(f"eplb demo: {world} ranks on {a.device}, {runtime.config.num_nodes} nodes, "
+              f"{L} MoE layers x {a.experts} experts "
               f"(top-{args.top_k}), {args.num_physical_experts} slots, {a.tokens} tokens/rank/step, "
               f"workload={'trace ' + a.trace if a.trace else 'synthetic drifting Zipf'}, "
               f"policy={a.policy}, rebalance every {a.rebalance_every} steps", flush=True)
+    server = start_metrics(a, runtime, device)  # --metrics-port; collective
     for step in range(a.steps):
         bias = torch.from_numpy(routing_bias(workload.popularity(step), DEMO_BIAS_STRENGTH)).float()
         model.set_routing_bias(bias.to(device))
@@ -199,11 +231,51 @@ def run(a: argparse.Namespace) -> int:
             bar.update(1, suffix=f"balancedness {bal.mean():.3f} (static {bal_static.mean():.3f})")
     if rank == 0:
         bar.close()
-        summarize(records, time.perf_counter() - t_start, a)
+        summarize(records, time.perf_counter() - t_start, a,
+                  job={"world_size": world, "num_nodes": runtime.config.num_nodes})
+    if server is not None:  # rank 0
+        if a.metrics_hold > 0:
+            print(f"eplb demo: serving {server.url}/metrics for {a.metrics_hold:g} s more", flush=True)
+            try:
+                time.sleep(a.metrics_hold)
+            except KeyboardInterrupt:
+                pass
+        server.stop()
     return 0
 
 
-def summarize(records: list[dict], seconds: float, a: argparse.Namespace) -> None:
+def start_metrics(a: argparse.Namespace, runtime: EplbRuntime, device: torch.device):
+    """With --metrics-port: metrics on every rank (rank 0 aggregates), the HTTP server on
+    rank 0; returns it there, None elsewhere. Collective: if rank 0 cannot bind, every
+    rank stops with one line."""
+    if a.metrics_port is None:
+        return None
+    from eplb.metrics import EplbMetrics
+    from eplb.server import EplbServer
+
+    metrics = EplbMetrics(runtime, interval=a.metrics_interval,
+                          per_expert_replicas=a.metrics_replicas)
+    server, error = None, ""
+    if runtime.rank == 0:
+        try:
+            server = EplbServer(runtime, metrics, host=a.metrics_host, port=a.metrics_port,
+                                token_file=a.token_file).start()
+        except (OSError, ValueError) as e:
+            error = (f"--metrics-port {a.metrics_port}: cannot serve on {a.metrics_host}: "
+                     f"{getattr(e, 'strerror', None) or e}")
+    ok = torch.tensor([0 if error else 1], dtype=torch.int64, device=device)
+    dist.broadcast(ok, src=0)
+    if not ok.item():
+        raise ValueError(error or "rank 0 could not start the metrics server")
+    if server is not None:
+        trigger = ("POST /rebalance with the bearer token" if server.trigger_enabled else
+                   "POST /rebalance disabled (no token: use --token-file or $EPLB_TOKEN)")
+        print(f"eplb demo: metrics at {server.url}/metrics; {trigger}", flush=True)
+    return server
+
+
+def summarize(records: list[dict], seconds: float, a: argparse.Namespace,
+              job: dict | None = None) -> None:
     """Print the before/after figures and write --json."""
     first = next((r["step"] for r in records if r["rebalance"]), None)
     bal = np.array([np.mean(r["balancedness"]) for r in records])
@@ -221,7 +293,7 @@ def summarize(records: list[dict], seconds: float, a: argparse.Namespace) -> Non
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(a).items() if k != "func"},
-                       "steps": records}, f)
+                       "run": job or {}, "steps": records}, f)
         print(f"wrote {a.json}")
 
 

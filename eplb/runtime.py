@@ -23,7 +23,7 @@ from eplb.config import EplbConfig
 from eplb.control import RebalanceRequests, agree, control_group
 from eplb.placement import Placement, balancedness_of_gpu_loads
 from eplb.planning import plan
-from eplb.protocol import MixtureOfExperts, missing_members
+from eplb.protocol import MixtureOfExperts, missing_members, replica_cdf, supports_replica_weights
 from eplb.recorder import LoadRecorder
 from eplb.transfer import TransferExecutor, transfer_stats
 
@@ -94,9 +94,18 @@ class EplbRuntime:
         self.logical_to_physical_map = torch.zeros(L, N, self.max_replicas, dtype=torch.int64,
                                                    device=self.device)  # [L, N, R]
         self.logical_replica_count = torch.zeros(L, N, dtype=torch.int64, device=self.device)  # [L, N]
+        # weighted replicas: cumulative replica shares in logical_to_physical order, rows end at 1.0
+        self.logical_replica_cdf = torch.ones(L, N, self.max_replicas, dtype=torch.float32,
+                                              device=self.device)  # [L, N, R]
         self._write_maps(self.placement)
         model.set_eplb_state(self.expert_load_pass, self.logical_to_physical_map,
                              self.logical_replica_count)
+        # optional protocol extension (eplb.protocol.SupportsReplicaWeights); without it the
+        # model splits every expert's tokens evenly over its replicas
+        self.replica_weights_supported = supports_replica_weights(model)
+        self._warned_even_split = False
+        if self.replica_weights_supported:
+            model.set_eplb_replica_weights(self.logical_replica_cdf)
         self.expert_weights = [list(w) for w in model.expert_weights]  # L lists of [S, ...] tensors
         self._check_expert_weights(S)
         self.bytes_per_expert = sum(w.numel() // S * w.element_size() for w in self.expert_weights[0])
@@ -181,18 +190,33 @@ class EplbRuntime:
     def rebalance(self, trigger: str = "api") -> RebalanceEvent:
         """Plan on the recorded window and move weights now (collective over the group)."""
         t0 = time.perf_counter()
-        logical, gpu = self.recorder.window_load(self.group)  # [L, N], [L, M]
+        logical, gpu = self.recorder.window_load(self.group, decay=self.config.load_decay)  # [L, N], [L, M]
         load = logical.cpu().numpy().astype(np.float64)  # [L, N]
-        # rank 0 plans and broadcasts: every rank commits the very same placement.
-        # The last element is a status flag so a planning error fails every rank, not one.
-        msg = torch.zeros(self.placement.num_layers * self.placement.num_slots + 1,
-                          dtype=torch.int64, device=self.device)  # [L * P + 1]
+        new = self._plan_on_rank0_and_broadcast(load)
+        before = balancedness_of_gpu_loads(gpu.cpu().numpy())  # [L]
+        seconds_plan = time.perf_counter() - t0
+        return self.apply_placement(new, trigger, before=before, load=load, seconds_plan=seconds_plan)
+
+    def _plan_on_rank0_and_broadcast(self, load: np.ndarray) -> Placement:
+        """Rank 0 plans, then one broadcast gives every rank the very same placement.
+
+        Message (float64, exact for slot ids): physical_to_logical [L*P], shares [L*P],
+        has-shares flag, status flag. The status flag makes a planning error fail every
+        rank instead of leaving the others waiting.
+        """
+        L, P = self.placement.num_layers, self.placement.num_slots
+        msg = torch.zeros(2 * L * P + 2, dtype=torch.float64, device=self.device)  # [2LP + 2]
         error = None
         if self.rank == 0:
             try:
-                planned = plan(load, self.world_size, self.placement.num_slots, self.config.num_nodes,
-                               self.model.num_expert_groups, self.config.policy, previous=self.placement)
-                msg[:-1].copy_(torch.from_numpy(planned.physical_to_logical.ravel().copy()))
+                planned = plan(load, self.world_size, P, self.config.num_nodes,
+                               self.model.num_expert_groups, self.config.policy, previous=self.placement,
+                               move_tolerance=self.config.move_tolerance,
+                               weighted=self.config.weighted_replicas)
+                msg[:L * P].copy_(torch.from_numpy(planned.physical_to_logical.ravel().astype(np.float64)))
+                if planned.shares is not None:
+                    msg[L * P:2 * L * P].copy_(torch.from_numpy(planned.shares.ravel().copy()))
+                    msg[-2] = 1
                 msg[-1] = 1
             except ValueError as e:
                 error = e
@@ -204,11 +228,9 @@ class EplbRuntime:
             raise error
         if msg[-1] != 1:
             raise RuntimeError("rebalance aborted: planning failed on rank 0 (see its log)")
-        p2l = msg[:-1].reshape(self.placement.num_layers, self.placement.num_slots)  # [L, P]
-        new = self.placement.with_physical_to_logical(p2l, self.config.policy)
-        before = balancedness_of_gpu_loads(gpu.cpu().numpy())  # [L]
-        seconds_plan = time.perf_counter() - t0
-        return self.apply_placement(new, trigger, before=before, load=load, seconds_plan=seconds_plan)
+        p2l = msg[:L * P].astype(np.int64).reshape(L, P)  # [L, P]
+        shares = msg[L * P:2 * L * P].reshape(L, P) if msg[-2] == 1 else None  # [L, P]
+        return self.placement.with_physical_to_logical(p2l, self.config.policy, shares)
 
     def apply_placement(self, new: Placement, trigger: str = "api", *, before: np.ndarray | None = None,
                         load: np.ndarray | None = None, seconds_plan: float = 0.0) -> RebalanceEvent:
@@ -225,6 +247,8 @@ class EplbRuntime:
         t2 = time.perf_counter()
         self._write_maps(new)
         self.placement = new
+        if not self.replica_weights_supported and _has_uneven_shares(new):
+            self._warn_even_split(type(self.model).__name__)
         self.recorder.on_placement_change()
         seconds_commit = time.perf_counter() - t2
         stats = transfer_stats(old.physical_to_logical, new.physical_to_logical, self.world_size)
@@ -232,8 +256,8 @@ class EplbRuntime:
             load = np.ones((old.num_layers, old.num_logical_experts))
         event = RebalanceEvent(
             step=self.steps, trigger=trigger,
-            balancedness_before=before if before is not None else old.balancedness(load),
-            balancedness_after=new.balancedness(load),
+            balancedness_before=before if before is not None else self._realised(old).balancedness(load),
+            balancedness_after=self._realised(new).balancedness(load),
             experts_moved=stats.experts_moved, local_copies=stats.local_copies,
             slots_changed=stats.slots_changed, bytes_moved=stats.experts_moved * self.bytes_per_expert,
             seconds_plan=seconds_plan, seconds_transfer=t2 - t1, seconds_commit=seconds_commit,
@@ -255,3 +279,31 @@ class EplbRuntime:
         self.logical_to_physical_map.copy_(
             torch.from_numpy(placement.logical_to_physical(self.max_replicas)))
         self.logical_replica_count.copy_(torch.from_numpy(placement.replica_count()))
+        # shares in l2p order (even when placement.shares is None), cumulated; last valid = 1.0
+        self.logical_replica_cdf.copy_(torch.from_numpy(
+            replica_cdf(placement.replica_shares(self.max_replicas), placement.replica_count())))
+
+    def _realised(self, placement: Placement) -> Placement:
+        """The placement as the model routes it: without the weighted-replicas extension
+        every expert's tokens split evenly, whatever shares the placement carries."""
+        if self.replica_weights_supported or placement.shares is None:
+            return placement
+        return placement.with_physical_to_logical(placement.physical_to_logical, placement.policy)
+
+    def _warn_even_split(self, model_name: str) -> None:
+        if self._warned_even_split:
+            return
+        self._warned_even_split = True
+        if self.rank == 0:
+            log.warning("%s has no set_eplb_replica_weights (the optional weighted-replicas "
+                        "extension of the protocol): it splits every expert's tokens evenly over "
+                        "its replicas, so the placement's uneven replica shares are ignored and the "
+                        "realised balance is the even-split one, not the planned one", model_name)
+
+
+def _has_uneven_shares(placement: Placement) -> bool:
+    """True when the placement's shares differ from an even split over each expert's replicas."""
+    if placement.shares is None:
+        return False
+    even = 1.0 / np.take_along_axis(placement.replica_count(), placement.physical_to_logical, 1)
+    return not np.allclose(placement.shares, even, rtol=0, atol=1e-6)
