@@ -30,6 +30,10 @@ from eplb.transfer import TransferExecutor, transfer_stats
 log = logging.getLogger("eplb.runtime")
 
 
+class RebalanceError(RuntimeError):
+    """A rebalance stopped part-way; the runtime stays consistent (see `apply_placement`)."""
+
+
 @dataclass
 class RebalanceEvent:
     """What one rebalance did, identical on every rank."""
@@ -240,12 +244,36 @@ class EplbRuntime:
                 old.num_layers, old.num_slots, old.num_logical_experts, old.num_gpus):
             raise ValueError(f"placement {new} does not fit the running model {old}")
         t1 = time.perf_counter()
-        result = self.executor.execute(old.physical_to_logical, new.physical_to_logical,
-                                       self.expert_weights, self.group)
+        new_maps = self._maps_of(new)
+        done: list[int] = []
+
+        def commit_layer(layer: int) -> None:
+            """Weights of `layer` are final: switch its maps with them (same stream)."""
+            for dst, src in zip((self.physical_to_logical, self.logical_to_physical_map,
+                                 self.logical_replica_count, self.logical_replica_cdf), new_maps):
+                dst[layer].copy_(src[layer])
+            done.append(layer)
+
+        try:
+            self.executor.execute(old.physical_to_logical, new.physical_to_logical,
+                                  self.expert_weights, self.group, on_layer_done=commit_layer)
+        except Exception as e:
+            # every layer is wholly old or wholly new, with maps matching its weights
+            mixed = old.physical_to_logical.copy()  # [L, P]
+            mixed[done] = new.physical_to_logical[done]
+            shares = None
+            if old.shares is not None or new.shares is not None:
+                shares = old.slot_shares().copy()  # [L, P]
+                shares[done] = new.slot_shares()[done]
+            self.placement = old.with_physical_to_logical(mixed, old.policy, shares)
+            self.recorder.on_placement_change()
+            raise RebalanceError(
+                f"rebalance failed after {len(done)} of {old.num_layers} layers "
+                f"({type(e).__name__}: {e}); every layer is on its old or its new placement "
+                f"and serving can continue") from e
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         t2 = time.perf_counter()
-        self._write_maps(new)
         self.placement = new
         if not self.replica_weights_supported and _has_uneven_shares(new):
             self._warn_even_split(type(self.model).__name__)
@@ -273,15 +301,23 @@ class EplbRuntime:
             fn(event)
         return event
 
-    def _write_maps(self, placement: Placement) -> None:
-        """Rewrite the shared maps in place (storage unchanged, so every view sees it)."""
-        self.physical_to_logical.copy_(torch.from_numpy(placement.physical_to_logical.copy()))
-        self.logical_to_physical_map.copy_(
-            torch.from_numpy(placement.logical_to_physical(self.max_replicas)))
-        self.logical_replica_count.copy_(torch.from_numpy(placement.replica_count()))
+    def _write_maps(self, placement: Placement, layers=None) -> None:
+        """Rewrite the shared maps of `layers` (default all) in place from `placement`
+        (storage unchanged, so every view, and any captured CUDA graph, sees it)."""
+        rows = slice(None) if layers is None else list(layers)
+        maps = self._maps_of(placement)
+        for dst, src in zip((self.physical_to_logical, self.logical_to_physical_map,
+                             self.logical_replica_count, self.logical_replica_cdf), maps):
+            dst[rows] = src[rows].to(dst.device)
+
+    def _maps_of(self, placement: Placement) -> tuple[torch.Tensor, ...]:
+        """CPU tensors p2l [L, P], l2p [L, N, R], count [L, N], cdf [L, N, R] of a placement."""
+        count = placement.replica_count()  # [L, N]
         # shares in l2p order (even when placement.shares is None), cumulated; last valid = 1.0
-        self.logical_replica_cdf.copy_(torch.from_numpy(
-            replica_cdf(placement.replica_shares(self.max_replicas), placement.replica_count())))
+        cdf = replica_cdf(placement.replica_shares(self.max_replicas), count)  # [L, N, R]
+        return (torch.from_numpy(placement.physical_to_logical.copy()),
+                torch.from_numpy(placement.logical_to_physical(self.max_replicas)),
+                torch.from_numpy(count), torch.from_numpy(np.asarray(cdf)))
 
     def _realised(self, placement: Placement) -> Placement:
         """The placement as the model routes it: without the weighted-replicas extension

@@ -431,10 +431,15 @@ class TransferExecutor:
         return b
 
     def execute(self, old, new, expert_weights: Sequence[Sequence[torch.Tensor]],
-                group=None) -> TransferResult:
+                group=None, on_layer_done=None) -> TransferResult:
         """Rewrite `expert_weights[layer][i]` (`[S, ...]` local slots) from placement `old`
         to `new` (Placement or `[L, P]` array) over `group` (default: the world, or no
-        communication at all when torch.distributed is not initialized)."""
+        communication at all when torch.distributed is not initialized).
+
+        `on_layer_done(layer)` is called for every layer, in order, as soon as that
+        layer's weights are final (on the current stream), so the caller can switch the
+        layer's maps with its weights; if a later layer fails, earlier ones stay switched.
+        """
         import torch.distributed as dist
 
         t0 = time.perf_counter()
@@ -460,19 +465,20 @@ class TransferExecutor:
         received = local = written = nbytes = sent = changed_layers = 0
         device = None
         for layer in range(L):
-            if np.array_equal(old_p2l[layer], new_p2l[layer]):
-                continue  # every rank sees the same rows, so every rank skips
-            changed_layers += 1
-            weights = list(expert_weights[layer])
-            device = weights[0].device if weights else device
-            plan = plan_layer_transfer(old_p2l[layer], new_p2l[layer], num_ranks, rank, num_nodes)
-            if plan.is_noop:
-                continue
-            nbytes += execute_layer_transfer(plan, weights, group, self._staging_for(weights))
-            received += plan.num_received
-            local += plan.num_local_copies
-            written += plan.num_slots_written
-            sent += plan.num_sent * sum(w[0].nbytes for w in weights)
+            if not np.array_equal(old_p2l[layer], new_p2l[layer]):
+                # every rank sees the same rows, so every rank takes the same branch
+                changed_layers += 1
+                weights = list(expert_weights[layer])
+                device = weights[0].device if weights else device
+                plan = plan_layer_transfer(old_p2l[layer], new_p2l[layer], num_ranks, rank, num_nodes)
+                if not plan.is_noop:
+                    nbytes += execute_layer_transfer(plan, weights, group, self._staging_for(weights))
+                    received += plan.num_received
+                    local += plan.num_local_copies
+                    written += plan.num_slots_written
+                    sent += plan.num_sent * sum(w[0].nbytes for w in weights)
+            if on_layer_done is not None:
+                on_layer_done(layer)
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
         return TransferResult(

@@ -209,3 +209,49 @@ def test_listener_receives_events():
     event = runtime.rebalance()
     assert seen == [event] and event.trigger == "api"
     assert event.bytes_moved == event.experts_moved * runtime.bytes_per_expert
+
+
+def _failing_transfer_body(rank, world):
+    """A transfer that fails at the third layer on every rank: layers 0-1 are new, 2-3
+    old, maps match weights everywhere, and the model still equals the reference."""
+    import eplb.transfer
+    from moe import DenseMoEModel, MoEModel, sample_tokens
+
+    from eplb.runtime import RebalanceError
+
+    device = device_for(rank)
+    args = _args(num_layers=4, num_redundant_experts=world)
+    model = MoEModel(args, group=dist.group.WORLD, device=device)
+    runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=world, rebalance_interval=0))
+    reference = DenseMoEModel(args, device=device)
+    old = runtime.placement
+    rng = np.random.default_rng(11)  # same on every rank
+    target = np.stack([rng.permutation(np.arange(old.num_slots) % args.num_experts) for _ in range(4)])
+    real = eplb.transfer.execute_layer_transfer
+    calls = []
+
+    def flaky(plan, weights, group=None, staging=None):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected transfer failure")
+        return real(plan, weights, group, staging)
+
+    eplb.transfer.execute_layer_transfer = flaky
+    try:
+        with pytest.raises(RebalanceError, match="after 2 of 4 layers"):
+            runtime.apply_placement(old.with_physical_to_logical(target, "test"))
+    finally:
+        eplb.transfer.execute_layer_transfer = real
+    p2l = runtime.placement.physical_to_logical
+    assert np.array_equal(p2l[:2], target[:2]) and np.array_equal(p2l[2:], old.physical_to_logical[2:])
+    _check_slots(args, runtime, device)
+    x = sample_tokens(args, 32, seed=rank, device=device)
+    torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
+    # and the next rebalance starts from that consistent state
+    runtime.apply_placement(old.with_physical_to_logical(target, "test"))
+    _check_slots(args, runtime, device)
+    torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
+def test_failure_mid_transfer_leaves_every_layer_old_or_new():
+    run_distributed(_failing_transfer_body, 2)
