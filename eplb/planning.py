@@ -39,11 +39,11 @@ def plan(
     fn = get_policy(policy)  # unknown names fail before any work
     load = as_load(load)  # [L, N] float64
     num_layers, num_experts = load.shape
-    num_gpus = _positive_int(num_gpus, "num_gpus")
-    num_slots = _positive_int(num_slots, "num_slots")
-    num_nodes = _positive_int(num_nodes, "num_nodes")
-    num_groups = _positive_int(num_groups, "num_groups")
-    _check_topology(num_experts, num_gpus, num_slots, num_nodes, num_groups)
+    num_gpus = positive_int(num_gpus, "num_gpus")
+    num_slots = positive_int(num_slots, "num_slots")
+    num_nodes = positive_int(num_nodes, "num_nodes")
+    num_groups = positive_int(num_groups, "num_groups")
+    check_topology(num_experts, num_gpus, num_slots, num_nodes, num_groups)
     if previous is not None:
         _check_previous(previous, num_layers, num_experts, num_gpus, num_slots)
 
@@ -67,7 +67,8 @@ def plan(
         raise ValueError(f"policy {policy!r} returned an invalid placement: {e}") from None
 
 
-def _positive_int(value: Any, name: str) -> int:
+def positive_int(value: Any, name: str) -> int:
+    """`value` as an int >= 1, else a ValueError naming `name` (bools are refused)."""
     try:
         if isinstance(value, bool):
             raise TypeError
@@ -79,7 +80,8 @@ def _positive_int(value: Any, name: str) -> int:
     return n
 
 
-def _check_topology(n: int, m: int, p: int, nodes: int, groups: int) -> None:
+def check_topology(n: int, m: int, p: int, nodes: int, groups: int) -> None:
+    """One-line ValueErrors for N experts, M GPUs, P slots, nodes and groups that don't fit."""
     if p < n:
         raise ValueError(f"num_slots ({p}) must be >= the number of experts N ({n}): every expert needs a slot")
     if p % m:

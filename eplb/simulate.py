@@ -26,7 +26,6 @@ result.
 """
 from __future__ import annotations
 
-import operator
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from eplb.placement import Placement
-from eplb.planning import plan
+from eplb.planning import check_topology, plan, positive_int
 from eplb.policy import get_policy
 from eplb.transfer import transfer_stats
 
@@ -180,20 +179,13 @@ def simulate(
     """
     trace = _check_trace(trace)
     T, L, N = trace.shape
-    M = _positive_int(num_gpus, "num_gpus")
-    P = _positive_int(num_slots, "num_slots")
-    num_nodes = _positive_int(num_nodes, "num_nodes")
-    num_groups = _positive_int(num_groups, "num_groups")
-    window = _positive_int(window, "window")
-    interval = _positive_int(interval, "interval")
-    if P < N:
-        raise ValueError(f"num_slots ({P}) must be >= the trace's {N} experts")
-    if P % M:
-        raise ValueError(f"num_slots ({P}) must be a multiple of num_gpus ({M})")
-    if M % num_nodes:
-        raise ValueError(f"num_gpus ({M}) must be divisible by num_nodes ({num_nodes})")
-    if N % num_groups:
-        raise ValueError(f"the trace's {N} experts must be divisible by num_groups ({num_groups})")
+    M = positive_int(num_gpus, "num_gpus")
+    P = positive_int(num_slots, "num_slots")
+    num_nodes = positive_int(num_nodes, "num_nodes")
+    num_groups = positive_int(num_groups, "num_groups")
+    window = positive_int(window, "window")
+    interval = positive_int(interval, "interval")
+    check_topology(N, M, P, num_nodes, num_groups)
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
         raise ValueError(f"decay must be in (0, 1], got {decay!r}")
     if isinstance(move_tolerance, bool) or not isinstance(move_tolerance, (int, float)) \
@@ -202,7 +194,7 @@ def simulate(
     if bytes_per_expert is not None and (isinstance(bytes_per_expert, bool)
                                          or not isinstance(bytes_per_expert, int) or bytes_per_expert < 0):
         raise ValueError(f"bytes_per_expert must be an int >= 0, got {bytes_per_expert!r}")
-    start = interval if start is None else _positive_int(start, "start")
+    start = interval if start is None else positive_int(start, "start")
     if start >= T:
         raise ValueError(f"the trace has {T} steps, so nothing is left to score after the first "
                          f"plan at step {start} (window {window}); use a smaller window or start, "
@@ -268,7 +260,7 @@ def simulate(
 def aggregate_steps(trace: np.ndarray, every: int) -> np.ndarray:  # [T, L, N] -> [T // every, L, N]
     """Sum every `every` consecutive steps into one; the last `T % every` steps are dropped
     (a partial step would be a smaller batch than the others)."""
-    every = _positive_int(every, "aggregate")
+    every = positive_int(every, "aggregate")
     T = trace.shape[0]
     if every > T:
         raise ValueError(f"aggregate {every} is more than the trace's {T} steps")
@@ -320,18 +312,6 @@ def _check_trace(trace: Any) -> np.ndarray:  # -> [T, L, N] float64
     if (arr < 0).any():
         raise ValueError(f"trace contains negative counts (min {arr.min():g})")
     return arr
-
-
-def _positive_int(value: Any, name: str) -> int:
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        n = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
-    if n < 1:
-        raise ValueError(f"{name} must be >= 1, got {n}")
-    return n
 
 
 # ==== reporting ==========================================================================
