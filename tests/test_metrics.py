@@ -224,7 +224,9 @@ def test_placement_age_and_initial_rebalances(tmp_path):
 # ---- 2 gloo ranks: rank 0 aggregates -------------------------------------------------
 def _two_rank_body(rank, world):
     device = device_for(rank)
-    rt = make_runtime(dist.group.WORLD, device, rebalance_interval=4, window_size=4)
+    # deepseek replans from scratch, so this load surely moves experts (the move-aware
+    # default could rightly keep the placement: experts 0-3 already have a replica per GPU)
+    rt = make_runtime(dist.group.WORLD, device, rebalance_interval=4, window_size=4, policy="deepseek")
     m = EplbMetrics(rt, interval=4)
     S = (N + R) // world
 
