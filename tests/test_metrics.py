@@ -272,7 +272,7 @@ def _two_rank_body(rank, world):
     assert m.value("eplb_rebalances_total", trigger="api", outcome="failure") == 1
     assert m.value("eplb_rebalances_total", trigger="interval", outcome="success") == 2
     assert m.value("eplb_steps_total") == 8
-    assert m.value("eplb_info", version="0.1.0", policy="default", num_gpus="2", num_nodes="1",
+    assert m.value("eplb_info", version="0.1.0", policy="deepseek", num_gpus="2", num_nodes="1",
                    num_slots="12", num_layers="2") == 1
 
 
