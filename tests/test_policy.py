@@ -128,12 +128,13 @@ def test_replicate_experts_counts():
 
 # ---- registry -----------------------------------------------------------------------
 def test_registry():
-    assert {"deepseek", "default"} <= set(available_policies())
-    with pytest.raises(ValueError, match=r"unknown policy 'nope'; available: deepseek, default"):
+    assert {"balanced", "deepseek", "default"} <= set(available_policies())
+    with pytest.raises(ValueError, match=r"unknown policy 'nope'; available: balanced, deepseek, default"):
         get_policy("nope")
     with pytest.raises(ValueError, match="already registered"):
         register_policy("deepseek")(lambda *a: None)
-    assert "later issue" in get_policy("default").__doc__
+    # default is the balanced planner; deepseek stays the faithful baseline
+    assert "balanced" in get_policy("default").__doc__
 
 
 def test_custom_policy_output_is_checked():

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from eplb.placement import Placement
-from eplb.policy import deepseek
+from eplb.policy import balanced, deepseek
 
 
 @dataclass(frozen=True)
@@ -76,12 +76,16 @@ def deepseek_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
     return phy2log.numpy().astype(np.int64)
 
 
+register_policy("balanced")(balanced.balanced_policy)
+
+
 @register_policy("default")
 def default_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options=None):
-    """For now exactly the `deepseek` policy, so it inherits its faults: replicas of one
-    expert may share a GPU and `previous` is ignored (every rebalance may move everything).
-    A later issue replaces it with a better planner."""
-    return deepseek_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options)
+    """The `balanced` policy (see `eplb.policy.balanced.balanced_policy`): better balance
+    than `deepseek`, no two replicas of one expert on one GPU, node locality kept in the
+    hierarchical case, few moves when `previous` is given (`options.move_tolerance`), and
+    per-slot shares when `options.weighted`. `deepseek` stays as the faithful baseline."""
+    return balanced.balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options)
 
 
 __all__ = ["PolicyFn", "PolicyOptions", "register_policy", "get_policy", "available_policies"]

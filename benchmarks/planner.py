@@ -1,0 +1,328 @@
+"""Planner benchmark: the `default` (balanced) planner against the faithful `deepseek` one.
+
+    python benchmarks/planner.py              # every table (about 2 minutes on one core)
+    python benchmarks/planner.py --only speed # one section: balance, topology, moves, speed, shares
+
+Balance figures follow the project's yardstick (../shared/tools/planeval.py when present,
+the same definition otherwise): per layer, max GPU load / mean GPU load, the tokens of an
+expert split evenly over its replicas unless per-slot shares are given; a configuration's
+figure is the mean over layers. Real loads: every .npy of ../shared/traces/npy (summed
+[L, N] files and per-sequence [T, L, N] files summed over T) when that folder exists,
+otherwise the repository's copies (tests/data, eplb/data). Speed runs in one process on
+one core (OMP/MKL threads = 1, torch.set_num_threads(1)).
+"""
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ[_var] = "1"
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+from eplb.placement import Placement  # noqa: E402
+from eplb.planning import plan  # noqa: E402
+from eplb.policy import PolicyOptions, get_policy  # noqa: E402
+from eplb.transfer import transfer_stats  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"
+TRACES = SHARED / "traces" / "npy"
+EP_SIZES = (8, 16, 32, 64)
+
+
+# ---- the yardstick --------------------------------------------------------------------
+def _load_planeval():
+    tools = SHARED / "tools"
+    if (tools / "planeval.py").is_file():
+        sys.path.insert(0, str(tools))
+        import planeval  # type: ignore
+
+        return planeval, "../shared/tools/planeval.py"
+    return None, "built-in copy of the planeval definition"
+
+
+PLANEVAL, PLANEVAL_SRC = _load_planeval()
+
+
+def imbalance(load, p2l, num_gpus, share=None) -> np.ndarray:  # [L]
+    if PLANEVAL is not None:
+        return PLANEVAL.imbalance(load, p2l, num_gpus, share=share)
+    p = Placement(p2l, load.shape[1], num_gpus, shares=share)
+    return 1.0 / p.balancedness(load)
+
+
+def lower_bound(load, num_slots, num_gpus) -> np.ndarray:  # [L]
+    if PLANEVAL is not None:
+        return PLANEVAL.lower_bound(load, num_slots, num_gpus)
+    L, N = load.shape
+    cnt = np.ones((L, N))
+    for _ in range(num_slots - N):
+        i = np.argmax(load / cnt, 1)
+        cnt[np.arange(L), i] += 1
+    mean = load.sum(1) / num_gpus
+    return np.maximum(1.0, (load / cnt).max(1) / np.where(mean > 0, mean, 1))
+
+
+def traces() -> list[tuple[str, np.ndarray]]:
+    """(name, [L, N] load) of every real trace available."""
+    out = []
+    if TRACES.is_dir():
+        for f in sorted(TRACES.glob("*.npy")):
+            a = np.load(f).astype(np.float64)
+            out.append((f.stem + (" (sum over T)" if a.ndim == 3 else ""), a.sum(0) if a.ndim == 3 else a))
+    else:
+        print(f"(no {TRACES}: using the repository's copies of the ESFT and OLMoE loads only)")
+        out.append(("esft_dsv2lite_alltasks", np.load(ROOT / "tests/data/esft_dsv2lite_alltasks.npy")))
+        out.append(("olmoe_olmoe_arxiv_L0-7-15", np.load(ROOT / "tests/data/olmoe_olmoe_arxiv_L0-7-15.npy")))
+    return out
+
+
+def per_seq_trace() -> np.ndarray:  # [213, 26, 64]
+    return np.load(ROOT / "eplb/data/esft_dsv2lite_alltasks_per_seq.npz")["counts"].astype(np.float64)
+
+
+def table(header: list[str], rows: list[list]) -> None:
+    cells = [header] + [[c if isinstance(c, str) else f"{c}" for c in r] for r in rows]
+    width = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, width)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in width) + "|")
+    for r in cells[1:]:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, width)) + " |")
+    print()
+
+
+# ---- 1. balance -----------------------------------------------------------------------
+def section_balance(data) -> None:
+    print("## 1. Balance: mean over layers of max/mean GPU load (no nodes, no groups)\n")
+    cfgs = [(M, red) for M in EP_SIZES for red in (0, 1)]
+    rows, results, dups = [], [], [0, 0]
+    for name, load in data:
+        N = load.shape[1]
+        cells = [name]
+        for M, red in cfgs:
+            P = N + red * M
+            d = plan(load, M, P, policy="deepseek")
+            b = plan(load, M, P)
+            di, bi = imbalance(load, d.physical_to_logical, M).mean(), imbalance(load, b.physical_to_logical, M).mean()
+            results.append((M, red, P // M, di, bi, lower_bound(load, P, M).mean()))
+            dups[0] += d.num_duplicates_on_gpu()
+            dups[1] += b.num_duplicates_on_gpu()
+            cells.append(f"{di:.4f} / {bi:.4f}{' !' if bi > di + 1e-12 else ''}")
+        rows.append(cells)
+    print("cells: deepseek / default (`!`: default worse); P = N, or N + M (one redundant slot per GPU)\n")
+    table(["trace"] + [f"EP{M} P={'N+M' if red else 'N'}" for M, red in cfgs], rows)
+    r = np.array([x[3:] for x in results])  # deepseek, default, lower bound
+    red = np.array([x[1] == 1 for x in results])
+    s = np.array([x[2] for x in results])
+    mean_rows = []
+    for M, rd in cfgs:
+        sel = np.array([x[0] == M and x[1] == rd for x in results])
+        mean_rows.append([f"EP{M} P={'N+M' if rd else 'N'}", f"{r[sel, 0].mean():.4f}", f"{r[sel, 1].mean():.4f}",
+                          f"{r[sel, 2].mean():.4f}"])
+    print("mean over the traces\n")
+    table(["configuration", "deepseek", "default", "planeval.lower_bound"], mean_rows)
+    fixed = (~red) & (s <= 2)  # P = N with 1 or 2 slots per GPU: DeepSeek is already optimal
+
+    def ratio(mask):
+        return (r[mask, 1] - 1).sum() / (r[mask, 0] - 1).sum()
+
+    print(f"configurations: {len(r)}; default worse than deepseek in {int((r[:, 1] > r[:, 0] + 1e-12).sum())}; "
+          f"replicas sharing a GPU with another replica of their expert: deepseek {dups[0]}, default {dups[1]}")
+    print("excess imbalance (max/mean - 1) of default as a fraction of deepseek's, summed over configurations:")
+    print(f"  all {len(r)} configurations: {ratio(np.ones(len(r), bool)):.3f} "
+          f"(floor from planeval.lower_bound: {(r[:, 2] - 1).sum() / (r[:, 0] - 1).sum():.3f})")
+    print(f"  one redundant slot per GPU (P = N + M), {red.sum()}: {ratio(red):.3f}")
+    print(f"  no redundant slot (P = N), {(~red).sum()}: {ratio(~red):.3f}")
+    print(f"  all but P = N with 1-2 slots per GPU (where deepseek is optimal), {(~fixed).sum()}: {ratio(~fixed):.3f}")
+    print(f"  mean over configurations of the per-configuration fraction: "
+          f"{np.mean((r[:, 1] - 1) / np.maximum(r[:, 0] - 1, 1e-300)):.3f}\n")
+
+
+# ---- 2. topology ------------------------------------------------------------------------
+def section_topology(data) -> None:
+    print("## 2. Topology: 8 expert groups, hierarchical (groups % nodes == 0)\n")
+    rows, worse, total, local_ok = [], 0, 0, True
+    cfgs = [(2, 8), (2, 16), (4, 16), (4, 32), (8, 64)]
+    for name, load in data:
+        N = load.shape[1]
+        cells = [name]
+        for nodes, M in cfgs:
+            for P in (N, N + M):
+                d = plan(load, M, P, nodes, 8, policy="deepseek")
+                b = plan(load, M, P, nodes, 8)
+                local_ok &= _keeps_groups_on_nodes(b, N, 8, nodes)
+                di = imbalance(load, d.physical_to_logical, M).mean()
+                bi = imbalance(load, b.physical_to_logical, M).mean()
+                total += 1
+                worse += bi > di + 1e-12
+                cells.append(f"{di:.4f} / {bi:.4f}{' !' if bi > di + 1e-12 else ''}")
+        rows.append(cells)
+    header = ["trace"] + [f"{n} nodes EP{M} P={P}" for n, M in cfgs for P in ("N", "N+M")]
+    print("cells: deepseek / default (`!`: default worse)\n")
+    table(header, rows)
+    print(f"{total} configurations; default worse than deepseek's hierarchical policy in {worse}; "
+          f"every default placement keeps whole groups on nodes and replicas inside them: {local_ok}\n")
+
+
+def _keeps_groups_on_nodes(p: Placement, N: int, G: int, nodes: int) -> bool:
+    gs, per = N // G, p.num_slots // nodes
+    for layer in p.physical_to_logical:
+        owner = {}
+        for j in range(nodes):
+            for e in set(layer[j * per:(j + 1) * per].tolist()):
+                if owner.setdefault(e // gs, j) != j:
+                    return False
+    return True
+
+
+# ---- 3. moves -------------------------------------------------------------------------------
+def replay(policy: str, tol: float, M=16, P=80, width=20, start=0):
+    """Plan every `width` sequences on the last `width` with previous = the placement in
+    force; score on the next `width`. Returns (copies moved per rebalance as a fraction of
+    L * P, remote receives per rebalance, out-of-sample and in-sample imbalance)."""
+    T = per_seq_trace()
+    prev, moved, remote, oos, ins = None, [], [], [], []
+    for t in range(start + width, T.shape[0] - width + 1, width):
+        cur, nxt = T[t - width:t].sum(0), T[t:t + width].sum(0)
+        p = plan(cur, M, P, policy=policy, previous=None if policy == "deepseek" else prev, move_tolerance=tol)
+        if prev is not None:
+            moved.append((p.physical_to_logical != prev.physical_to_logical).mean())
+            remote.append(transfer_stats(prev, p, M).experts_moved)
+        oos.append(imbalance(nxt, p.physical_to_logical, M).mean())
+        ins.append(imbalance(cur, p.physical_to_logical, M).mean())
+        prev = p
+    return np.mean(moved), np.mean(remote), np.mean(oos), np.mean(ins), len(moved)
+
+
+def section_moves() -> None:
+    print("## 3. Moves: ESFT all-tasks per-sequence trace, windows of 20 sequences, EP16, 80 slots\n")
+    print("plan every 20 sequences on the last 20 (previous = the placement in force), score on the next 20\n")
+    rows = []
+    d = replay("deepseek", 0.0)
+    rows.append(["deepseek (from scratch)", "-", f"{100 * d[0]:.1f}%", f"{d[1]:.0f}", f"{d[2]:.4f}", f"{d[3]:.4f}"])
+    for tol in (0.0, 0.005, 0.01, 0.02, 0.05, 0.1):
+        b = replay("default", tol)
+        rows.append([f"default{' (default knob)' if tol == 0.02 else ''}", f"{tol}", f"{100 * b[0]:.1f}%",
+                     f"{b[1]:.0f}", f"{b[2]:.4f}", f"{b[3]:.4f}"])
+    table(["policy", "move_tolerance", "copies moved / rebalance", "remote receives / rebalance",
+           "imbalance next 20 (out of sample)", "imbalance last 20 (in sample)"], rows)
+    print(f"{d[4]} rebalances; copies moved = slots whose expert changes, as a share of 26 x 80; "
+          "remote receives = eplb.transfer.transfer_stats(old, new, 16).experts_moved\n")
+    # the out-of-sample figure is dominated by the noise of 20-sequence windows (and by the
+    # task change inside the trace), so the same replay from 10 start offsets as well
+    rows = []
+    for policy, tol in (("deepseek", 0.0), ("default", 0.0), ("default", 0.02), ("default", 0.05)):
+        runs = [replay(policy, tol, start=k) for k in range(0, 20, 2)]
+        rows.append([policy if policy == "deepseek" else f"default, tolerance {tol}",
+                     f"{100 * np.mean([r[0] for r in runs]):.1f}%", f"{np.mean([r[2] for r in runs]):.4f}",
+                     f"{np.mean([r[3] for r in runs]):.4f}"])
+    print("the same replay started at sequence 0, 2, ..., 18 (mean of the 10 runs):\n")
+    table(["policy", "copies moved / rebalance", "imbalance next 20", "imbalance last 20"], rows)
+
+
+# ---- 4. speed ---------------------------------------------------------------------------------
+def _median_ms(fn, reps) -> str:
+    """'median (min)' wall time in ms over `reps` calls after one warm-up call."""
+    fn()  # warm caches
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return f"{1e3 * float(np.median(ts)):.2f} ({1e3 * min(ts):.2f})"
+
+
+def speed_loads(L: int, N: int, seed: int) -> np.ndarray:
+    """A skewed synthetic load (Zipf-like with noise), fixed seed: [L, N]."""
+    rng = np.random.default_rng(seed)
+    ranks = np.argsort(rng.random((L, N)), 1) + 1.0
+    return np.round(1e5 / ranks ** 0.9 * rng.uniform(0.5, 1.5, (L, N)))
+
+
+def section_speed() -> None:
+    print("## 4. Speed: wall time of one plan in ms, median (min), one process, one core\n")
+    rows = []
+    opt = PolicyOptions()
+    cases = [("DeepSeek-V3 (L=58, N=256, 8 groups), 32 GPUs, 4 nodes", 58, 256, 288, 32, 4, 8),
+             ("DeepSeek-V3, 32 GPUs, global (1 node)", 58, 256, 288, 32, 1, 1),
+             ("EP256: L=58, N=256, 512 slots, 256 GPUs", 58, 256, 512, 256, 1, 1)]
+    for title, L, N, P, M, nodes, groups in cases:
+        load = speed_loads(L, N, seed=1)
+        drift = load * np.random.default_rng(2).uniform(0.8, 1.2, load.shape)  # the next window
+        prev = plan(load, M, P, nodes, groups)
+        fn = get_policy("default")
+        reps = 41 if P < 400 else 11
+        t_pol = _median_ms(lambda: fn(drift, P, M, nodes, groups, None, opt), reps)
+        t_plan = _median_ms(lambda: plan(drift, M, P, nodes, groups), reps)
+        t_prev = _median_ms(lambda: plan(drift, M, P, nodes, groups, previous=prev), reps)
+        t_ds = _median_ms(lambda: plan(drift, M, P, nodes, groups, policy="deepseek"), 5)
+        b = plan(drift, M, P, nodes, groups)
+        q = plan(drift, M, P, nodes, groups, previous=prev)
+        d = plan(drift, M, P, nodes, groups, policy="deepseek")
+        rows.append([title, t_pol, t_plan, t_prev, t_ds,
+                     f"{imbalance(drift, d.physical_to_logical, M).mean():.4f}",
+                     f"{imbalance(drift, b.physical_to_logical, M).mean():.4f}",
+                     f"{imbalance(drift, q.physical_to_logical, M).mean():.4f} "
+                     f"({100 * (q.physical_to_logical != prev.physical_to_logical).mean():.0f}% moved)"])
+    table(["shape", "default policy ms", "plan() ms", "plan(previous) ms", "deepseek plan() ms",
+           "imbalance deepseek", "imbalance default", "default with previous"], rows)
+    print("load: Zipf-like synthetic (exponent 0.9, x0.5-1.5 noise, seed 1), then x0.8-1.2 drift "
+          "for the planned window; `previous` = the default plan of the undrifted load\n")
+
+
+# ---- 5. weighted replicas ---------------------------------------------------------------------
+def section_shares(data) -> None:
+    print("## 5. Weighted replicas (options.weighted): in-sample max/mean GPU load with per-slot shares\n")
+    rows, fails = [], []
+    for name, load in data:
+        N = load.shape[1]
+        cells = [name]
+        for M in EP_SIZES:
+            P = N + M
+            b = plan(load, M, P)
+            w = plan(load, M, P, weighted=True)
+            even = imbalance(load, b.physical_to_logical, M).mean()
+            sh = imbalance(load, w.physical_to_logical, M, share=w.shares)
+            cells.append(f"{even:.4f} / {sh.mean():.4f}")
+            if M <= 32 and sh.mean() > 1.002:
+                fails.append(f"{name} EP{M}")
+        nw = plan(load, 16, N, weighted=True)
+        cells.append(f"{imbalance(load, nw.physical_to_logical, 16, share=nw.shares).mean():.4f} "
+                     f"(shares all 1: {bool(np.allclose(nw.shares, 1))})")
+        rows.append(cells)
+    print("cells: default without shares / default with shares (mean over layers), P = N + M\n")
+    table(["trace"] + [f"EP{M}" for M in EP_SIZES] + ["EP16, P = N (no redundant slot)"], rows)
+    print("target <= 1.002 at EP <= 32: " + ("met everywhere" if not fails else "missed for " + ", ".join(fails)) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", choices=["balance", "topology", "moves", "speed", "shares"])
+    args = ap.parse_args()
+    print(f"numpy {np.__version__}, torch {torch.__version__}; balance figures: {PLANEVAL_SRC}\n")
+    data = traces() if args.only in (None, "balance", "topology", "shares") else []
+    t0 = time.time()
+    if args.only in (None, "balance"):
+        section_balance(data)
+    if args.only in (None, "topology"):
+        section_topology(data)
+    if args.only in (None, "moves"):
+        section_moves()
+    if args.only in (None, "speed"):
+        section_speed()
+    if args.only in (None, "shares"):
+        section_shares(data)
+    print(f"(benchmark ran in {time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
