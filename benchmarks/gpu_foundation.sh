@@ -18,4 +18,5 @@ python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m eplb.demo --
   --rebalance-every 20 --verify 2>&1 | tee "$O/torchrun.log"
 echo "== 4. multi-rank tests on NCCL"
 EPLB_TEST_BACKEND=nccl python3 -m pytest -q -p no:cacheprovider tests/test_runtime.py \
-  tests/test_transfer_dist.py tests/test_moe.py 2>&1 | tee "$O/pytest_nccl.log"
+  tests/test_transfer_dist.py tests/test_moe.py tests/test_weighted.py tests/test_control.py \
+  tests/test_metrics.py 2>&1 | tee "$O/pytest_nccl.log"
