@@ -169,7 +169,7 @@ def run(a: argparse.Namespace) -> int:
     records, t_start = [], time.perf_counter()
     bar = ProgressBar(a.steps, label="demo") if rank == 0 else None
     if rank == 0:
-        print(f"eplb demo: {world} ranks on {a.device}, {runtime.config.num_nodes} nodes, "
+        print(f"eplb demo: {world} ranks on {a.device}, {runtime.config.num_nodes} node{'s' if runtime.config.num_nodes != 1 else ''}, "
               f"{L} MoE layers x {a.experts} experts "
               f"(top-{args.top_k}), {args.num_physical_experts} slots, {a.tokens} tokens/rank/step, "
               f"workload={'trace ' + a.trace if a.trace else 'synthetic drifting Zipf'}, "
