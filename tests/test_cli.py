@@ -8,22 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eplb.cli import main
+from _cli import run_main
 
 DATA = Path(__file__).parent / "data"
 README_LOAD = [[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
                [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]]
 README_P2L = [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
               [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]
-
-
-def run_main(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse usage errors
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_plan_readme_example(tmp_path, capsys):

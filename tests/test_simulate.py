@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eplb.cli import main
+from _cli import run_main
 from eplb.placement import Placement
 from eplb.policy import register_policy
 from eplb.simulate import aggregate_steps, simulate, step_imbalance, window_load
@@ -197,15 +197,6 @@ def test_engine_rejects_bad_input(kw, needle):
 
 ESFT = ["simulate", "esft", "--num-gpus", "16", "--num-slots", "80", "--window", "1", "--interval", "1",
         "--aggregate", "20", "--policy", "deepseek"]
-
-
-def run_main(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse usage errors
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_cli_esft_table_json_and_plot(tmp_path, capsys):
