@@ -38,6 +38,10 @@ class EplbConfig:
     control_interval: int = 10
     """Every this many steps the ranks agree (one-int all-reduce on a CPU group) whether
     anyone asked for a rebalance (`request_rebalance()`, HTTP); 0 = never check."""
+    verify_transfers: bool = False
+    """After each layer's weight transfer, compare per-slot checksums of all replicas with
+    the pre-transfer checksum of their expert (one all_gather per changed layer); a
+    mismatch fails the rebalance before that layer's maps are committed."""
 
     def verify(self, num_logical_experts: int, num_gpus: int,
                num_physical_experts: int | None = None) -> "EplbConfig":
@@ -74,6 +78,8 @@ class EplbConfig:
         if not isinstance(self.control_interval, int) or self.control_interval < 0:
             raise ValueError(f"control_interval must be an int >= 0 (0 = ignore requests), "
                              f"got {self.control_interval!r}")
+        if not isinstance(self.verify_transfers, bool):
+            raise ValueError(f"verify_transfers must be a bool, got {self.verify_transfers!r}")
         if self.policy not in available_policies():
             raise ValueError(f"policy={self.policy!r} is unknown; choose one of {available_policies()}")
         if self.initial_placement is not None and not os.path.isfile(self.initial_placement):

@@ -25,7 +25,7 @@ from eplb.placement import Placement, balancedness_of_gpu_loads
 from eplb.planning import plan
 from eplb.protocol import MixtureOfExperts, missing_members, replica_cdf, supports_replica_weights
 from eplb.recorder import LoadRecorder
-from eplb.transfer import TransferExecutor, transfer_stats
+from eplb.transfer import TransferExecutor, TransferVerificationError, transfer_stats
 
 log = logging.getLogger("eplb.runtime")
 
@@ -115,7 +115,8 @@ class EplbRuntime:
         self.bytes_per_expert = sum(w.numel() // S * w.element_size() for w in self.expert_weights[0])
 
         self.recorder = LoadRecorder(L, N, self.world_size, S, self.config.window_size, self.device)
-        self.executor = TransferExecutor(num_nodes=self.config.num_nodes)
+        self.executor = TransferExecutor(num_nodes=self.config.num_nodes,
+                                         verify=self.config.verify_transfers)
         self.steps = 0
         self.events: list[RebalanceEvent] = []
         self._listeners: list[Callable[[RebalanceEvent], None]] = []
@@ -267,6 +268,13 @@ class EplbRuntime:
                 shares[done] = new.slot_shares()[done]
             self.placement = old.with_physical_to_logical(mixed, old.policy, shares)
             self.recorder.on_placement_change()
+            if isinstance(e, TransferVerificationError):
+                # the layer's weights were already rewritten (one slot wrong) under its old maps
+                raise RebalanceError(
+                    f"rebalance failed after {len(done)} of {old.num_layers} layers ({e}); "
+                    f"layers before {e.layer} are on the new placement, later ones on the old; "
+                    f"layer {e.layer} keeps its old maps but its weights were rewritten and are "
+                    f"NOT consistent: reload them before serving") from e
             raise RebalanceError(
                 f"rebalance failed after {len(done)} of {old.num_layers} layers "
                 f"({type(e).__name__}: {e}); every layer is on its old or its new placement "

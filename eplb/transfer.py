@@ -47,6 +47,8 @@ __all__ = [
     "transfer_stats",
     "execute_layer_transfer",
     "allocate_staging",
+    "TransferVerificationError",
+    "slot_checksums",
 ]
 
 
@@ -392,6 +394,74 @@ def execute_layer_transfer(plan: LayerTransferPlan, weights: Sequence[torch.Tens
     return received
 
 
+class TransferVerificationError(RuntimeError):
+    """After a layer's transfer, a slot's checksum differs from its expert's pre-transfer
+    checksum. Raised on every rank of the group at once (all ranks compare the same
+    gathered checksums), before `on_layer_done` of that layer."""
+
+    def __init__(self, layer: int, bad_slots: list[int], message: str):
+        super().__init__(message)
+        self.layer = layer
+        self.bad_slots = bad_slots  # global physical slot ids
+
+
+_MIX = 0x9E3779B97F4A7C15 - (1 << 64)  # odd 64-bit constant, as a signed int64
+
+
+def slot_checksums(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`[S]` int64 checksum of each local slot over all of a layer's tensors, on their device.
+
+    Each slot's bytes are read as int32 words (bytes when the size is not a multiple of 4),
+    widened to int64 and summed with position-dependent odd multipliers; int64 wraps, so
+    the sum is exact modular arithmetic and independent of reduction order (bitwise equal
+    on every rank and device for equal bytes). Slot by slot, so the temporary memory is
+    about 3x one slot's bytes of one tensor."""
+    weights = list(weights)
+    S = weights[0].shape[0]
+    out = torch.zeros(S, dtype=torch.int64, device=weights[0].device)  # [S]
+    coeffs: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+    for i, w in enumerate(weights):
+        for s in range(S):
+            raw = w[s].contiguous().reshape(-1).view(torch.uint8)  # [B]
+            words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw  # [B/4] or [B]
+            key = (i, words.numel(), words.dtype)
+            c = coeffs.get(key)
+            if c is None:  # odd multipliers depending on position and tensor index
+                c = coeffs[key] = (torch.arange(words.numel(), dtype=torch.int64, device=w.device)
+                                   * _MIX + (2 * i + 1))
+            out[s] = out[s] * 1000003 + (words.to(torch.int64) * c).sum()
+    return out
+
+
+def _verify_layer(layer: int, old_row: np.ndarray, new_row: np.ndarray, rank: int,
+                  num_ranks: int, old_cs: torch.Tensor, new_cs: torch.Tensor, group) -> None:
+    """Gather `[S]` old and new checksums of every rank (one all_gather of `[2S]` int64)
+    and compare, on every rank, each new slot to the old checksum of its expert (the first
+    old slot holding it). Every rank reaches the same verdict, so all raise together."""
+    S = old_cs.shape[0]
+    mine = torch.cat([old_cs, new_cs])  # [2S]
+    if num_ranks > 1:
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(mine) for _ in range(num_ranks)]
+        dist.all_gather(parts, mine, group=group)
+        both = torch.stack(parts).cpu().numpy()  # [M, 2S]
+    else:
+        both = mine.cpu().numpy()[None]
+    old_all, new_all = both[:, :S].reshape(-1), both[:, S:].reshape(-1)  # [P], [P]
+    first = {}
+    for p, e in enumerate(old_row.tolist()):
+        first.setdefault(e, p)
+    want = old_all[[first[e] for e in new_row.tolist()]]  # [P]
+    bad = np.flatnonzero(want != new_all)
+    if bad.size:
+        raise TransferVerificationError(
+            layer, bad.tolist(),
+            f"transfer verification failed on layer {layer}: slots {bad.tolist()} (experts "
+            f"{new_row[bad].tolist()}, ranks {(bad // S).tolist()}) differ from their expert's "
+            f"pre-transfer checksum")
+
+
 @dataclass(frozen=True)
 class TransferResult:
     """What one rank did in one `TransferExecutor.execute` call."""
@@ -412,10 +482,15 @@ class TransferExecutor:
 
     `num_nodes`: node count for same-node sender preference; defaults to the Placement's
     `num_nodes`, else 1.
+    `verify`: after each changed layer, checksum every local slot (`slot_checksums`), gather
+    the checksums of all ranks (one all_gather of `[2S]` int64 per changed layer) and raise
+    `TransferVerificationError` on every rank, before `on_layer_done(layer)`, when a slot
+    differs from its expert's pre-transfer checksum.
     """
 
-    def __init__(self, num_nodes: int | None = None) -> None:
+    def __init__(self, num_nodes: int | None = None, verify: bool = False) -> None:
         self.num_nodes = num_nodes
+        self.verify = verify
         self._staging: list[torch.Tensor] | None = None
 
     def release_staging(self) -> None:
@@ -471,12 +546,16 @@ class TransferExecutor:
                 weights = list(expert_weights[layer])
                 device = weights[0].device if weights else device
                 plan = plan_layer_transfer(old_p2l[layer], new_p2l[layer], num_ranks, rank, num_nodes)
+                old_cs = slot_checksums(weights) if self.verify and weights else None
                 if not plan.is_noop:
                     nbytes += execute_layer_transfer(plan, weights, group, self._staging_for(weights))
                     received += plan.num_received
                     local += plan.num_local_copies
                     written += plan.num_slots_written
                     sent += plan.num_sent * sum(w[0].nbytes for w in weights)
+                if old_cs is not None:  # every rank of the group, noop plan or not
+                    _verify_layer(layer, old_p2l[layer], new_p2l[layer], rank, num_ranks,
+                                  old_cs, slot_checksums(weights), group)
             if on_layer_done is not None:
                 on_layer_done(layer)
         if device is not None and device.type == "cuda":
