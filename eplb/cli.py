@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -34,12 +35,24 @@ def _positive(name: str):
     return conv
 
 
+_DEMO_LIMITS = {"steps": 10**7, "layers": 1024, "experts": 4096, "redundant": 4096, "hidden": 1 << 16,
+                "intermediate": 1 << 16, "tokens": 1 << 20, "trace_window": 10**6, "nproc": 1024}
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     import torch
 
     from eplb.demo import check_demo_arguments, setup
     from eplb.launch import launch
 
+    for name, limit in _DEMO_LIMITS.items():  # sizes the ranks would allocate: refuse early
+        value = getattr(a, name, None)
+        if value is not None and value > limit:
+            raise ValueError(f"--{name.replace('_', '-')}: {value} is more than the supported {limit}")
+    if a.drift_period < 1:
+        raise ValueError(f"--drift-period: must be >= 1, got {a.drift_period}")
+    if not math.isfinite(a.skew) or a.skew < 0:
+        raise ValueError(f"--skew: must be a finite number >= 0, got {a.skew:g}")
     check_demo_arguments(a)
     if a.device == "cuda":
         n = torch.cuda.device_count()
@@ -80,14 +93,19 @@ def cmd_plan(a: argparse.Namespace) -> int:
     out = Path(a.out)
     if not out.parent.is_dir():
         raise ValueError(f"--out: directory does not exist: {out.parent}")
+    if out.is_dir():
+        raise ValueError(f"--out: {out} is a directory")
     d = placement.to_dict()
     d["replica_count"] = placement.replica_count().tolist()
     bal = placement.balancedness(load)  # [L]
     d["balancedness"] = bal.round(6).tolist()
-    if out.suffix in (".npy", ".pt"):
-        placement.save(out)
-    else:
-        out.write_text(json.dumps(d) + "\n")
+    try:
+        if out.suffix in (".npy", ".pt"):
+            placement.save(out)
+        else:
+            out.write_text(json.dumps(d) + "\n")
+    except OSError as e:
+        raise ValueError(f"--out: cannot write {out} ({e.strerror or e.__class__.__name__})") from None
     print(f"planned {placement.num_layers} layers x {placement.num_slots} slots on {a.num_gpus} GPUs "
           f"({a.num_nodes} nodes, policy {a.policy}): balancedness {bal.mean():.4f} "
           f"(imbalance {1 / bal.mean():.4f}); wrote {out}")

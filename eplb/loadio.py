@@ -13,6 +13,11 @@ from typing import Any
 
 import numpy as np
 
+# Size limits, checked before anything is allocated (a file header can claim any shape).
+MAX_EXPERTS = 1 << 16  # N: logical experts per layer (real models: 8 .. 512)
+MAX_SLOTS = 1 << 16  # P: physical slots per layer
+MAX_LOAD_ELEMENTS = 1 << 27  # T * L * N of one load file (1 GiB of float64)
+
 
 def as_load(x: Any, source: str = "load") -> np.ndarray:  # -> [L, N] float64
     """Check and convert a numpy array, torch tensor or nested list to `[L, N]` float64."""
@@ -24,6 +29,8 @@ def as_load(x: Any, source: str = "load") -> np.ndarray:  # -> [L, N] float64
         arr = np.asarray(x)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: load is not a rectangular numeric array ({e})".replace("\n", " ")) from None
+    if arr.ndim in (2, 3) and arr.shape[-1] > MAX_EXPERTS:
+        raise ValueError(f"{source}: load has {arr.shape[-1]} experts per layer, more than {MAX_EXPERTS}")
     if arr.dtype == object:
         raise ValueError(f"{source}: load is not a rectangular numeric array")
     if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
@@ -69,9 +76,20 @@ def read_load(path: str | Path) -> np.ndarray:  # -> [L, N] float64
 
 def _read_npy(path: Path) -> np.ndarray:
     try:
-        return np.load(path, allow_pickle=False)
+        arr = load_npy_checked(path)
     except Exception as e:  # truncated header, pickled objects, not an npy file at all
         raise ValueError(f"{path}: not a readable .npy array ({_one_line(e)})") from None
+    return arr
+
+
+def load_npy_checked(path: Path, max_elements: int = MAX_LOAD_ELEMENTS) -> np.ndarray:
+    """`np.load` without pickles that maps the file first, so a header claiming a huge
+    shape (or a truncated body) fails before any allocation; ValueError if over the limit."""
+    arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    if arr.size > max_elements:
+        raise ValueError(f"array of shape {tuple(arr.shape)} is too large "
+                         f"({arr.size} elements, limit {max_elements})")
+    return np.array(arr)
 
 
 def _read_json(path: Path) -> Any:

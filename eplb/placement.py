@@ -8,6 +8,7 @@ Pure numpy: no torch.distributed here.
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +29,17 @@ class Placement:
     over the replicas of one expert the shares sum to 1. None means an even split."""
 
     def __post_init__(self) -> None:
-        p2l = np.asarray(self.physical_to_logical)
+        for name in ("num_logical_experts", "num_gpus", "num_nodes"):
+            object.__setattr__(self, name, _as_int(getattr(self, name), name))
+        try:
+            p2l = np.asarray(self.physical_to_logical)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"physical_to_logical is not a rectangular array: {_one_line(e)}") from None
         if p2l.ndim != 2:
             raise ValueError(f"physical_to_logical must be 2-D [L, P], got shape {p2l.shape}")
+        if p2l.dtype == bool or not (np.issubdtype(p2l.dtype, np.integer)
+                                     or np.issubdtype(p2l.dtype, np.floating)):
+            raise ValueError(f"physical_to_logical must hold integer expert ids, got dtype {p2l.dtype}")
         if p2l.size and not np.issubdtype(p2l.dtype, np.integer):
             if not np.all(np.isfinite(p2l)) or not np.all(p2l == np.round(p2l)):
                 raise ValueError("physical_to_logical must hold integer expert ids")
@@ -38,7 +47,10 @@ class Placement:
         p2l.setflags(write=False)
         object.__setattr__(self, "physical_to_logical", p2l)
         if self.shares is not None:
-            sh = np.ascontiguousarray(self.shares, dtype=np.float64)
+            try:
+                sh = np.ascontiguousarray(self.shares, dtype=np.float64)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"shares is not a rectangular array of numbers: {_one_line(e)}") from None
             sh.setflags(write=False)
             object.__setattr__(self, "shares", sh)
         self.validate()
@@ -225,7 +237,7 @@ class Placement:
                 shares = np.asarray(shares, dtype=np.float64)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"shares is not a rectangular list of numbers: {e}") from None
-        return cls(p2l, int(n), int(m), int(d.get("num_nodes", 1)), str(d.get("policy", "")), shares)
+        return cls(p2l, n, m, d.get("num_nodes", 1), str(d.get("policy", "")), shares)
 
     def save(self, path: str | Path) -> None:
         """Write JSON (`.json`), a bare `[L, P]` array (`.npy`) or a tensor dict (`.pt`)."""
@@ -251,10 +263,12 @@ class Placement:
         if not path.is_file():
             raise ValueError(f"placement file not found: {path}")
         if path.suffix == ".npy":
+            from eplb.loadio import load_npy_checked
+
             try:
-                d = {"physical_to_logical": np.load(path, allow_pickle=False)}
-            except Exception as e:  # empty, truncated, pickled or not an .npy file
-                raise ValueError(f"{path}: not a readable placement .npy file ({e.__class__.__name__})") from None
+                d = {"physical_to_logical": load_npy_checked(path)}
+            except Exception as e:  # empty, truncated, pickled, too large or not an .npy file
+                raise ValueError(f"{path}: not a readable placement .npy file ({_one_line(e)})") from None
         elif path.suffix == ".pt":
             import torch
 
@@ -270,6 +284,20 @@ class Placement:
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise ValueError(f"{path}: invalid JSON ({e})") from None
         return cls.from_dict(d, num_logical_experts, num_gpus)
+
+
+def _as_int(value, name: str) -> int:
+    """`value` as an int (numpy ints fine; bools, floats and strings refused: ValueError)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split()) or e.__class__.__name__
 
 
 def balancedness_of_gpu_loads(gpu_loads: np.ndarray) -> np.ndarray:  # [L, M] -> [L]

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from eplb.loadio import as_load
+from eplb.loadio import MAX_EXPERTS, MAX_SLOTS, as_load
 from eplb.placement import Placement
 from eplb.policy import PolicyOptions, get_policy
 
@@ -35,6 +35,13 @@ def plan(
     `previous` is the placement in use, for policies that limit movement;
     `move_tolerance` is how much extra relative imbalance such a policy may accept to keep
     experts in place; `weighted` asks for per-slot shares (weighted replicas).
+
+    An all-zero load (or an all-zero layer) is legitimate, e.g. a window with no traffic:
+    it gives a valid placement (every expert has a replica, no division by zero); all
+    experts tie, so which one gets the spare slots is the policy's deterministic
+    tie-break. A layer whose largest load exceeds 1e30 is first scaled to max 1 (same
+    proportions) so sums cannot overflow (policies may compute in float32). Bad input
+    raises ValueError.
     """
     fn = get_policy(policy)  # unknown names fail before any work
     load = as_load(load)  # [L, N] float64
@@ -47,10 +54,14 @@ def plan(
     if previous is not None:
         _check_previous(previous, num_layers, num_experts, num_gpus, num_slots)
 
-    if not isinstance(move_tolerance, (int, float)) or not 0 <= move_tolerance < 10:
+    if isinstance(move_tolerance, bool) or not isinstance(move_tolerance, (int, float)) \
+            or not 0 <= move_tolerance < 10:
         raise ValueError(f"move_tolerance must be in [0, 10), got {move_tolerance!r}")
     options = PolicyOptions(move_tolerance=float(move_tolerance), weighted=bool(weighted))
 
+    big = load.max(axis=1) > _RESCALE_ABOVE  # [L]: sums of such loads could overflow to inf
+    if big.any():
+        load[big] /= load[big].max(axis=1, keepdims=True)  # same proportions, finite sums
     load.setflags(write=False)  # a policy must not edit its input
     out = fn(load, num_slots, num_gpus, num_nodes, num_groups, previous, options)
     shares = None
@@ -65,6 +76,9 @@ def plan(
         return Placement(p2l, num_experts, num_gpus, num_nodes, policy=policy, shares=shares)
     except ValueError as e:
         raise ValueError(f"policy {policy!r} returned an invalid placement: {e}") from None
+
+
+_RESCALE_ABOVE = 1e30  # layers whose largest load exceeds this are rescaled to max 1 (float32-safe)
 
 
 def positive_int(value: Any, name: str) -> int:
@@ -82,6 +96,10 @@ def positive_int(value: Any, name: str) -> int:
 
 def check_topology(n: int, m: int, p: int, nodes: int, groups: int) -> None:
     """One-line ValueErrors for N experts, M GPUs, P slots, nodes and groups that don't fit."""
+    if n > MAX_EXPERTS:
+        raise ValueError(f"the number of experts N ({n}) is more than the supported {MAX_EXPERTS}")
+    if p > MAX_SLOTS:
+        raise ValueError(f"num_slots ({p}) is more than the supported {MAX_SLOTS}")
     if p < n:
         raise ValueError(f"num_slots ({p}) must be >= the number of experts N ({n}): every expert needs a slot")
     if p % m:

@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from eplb.loadio import MAX_LOAD_ELEMENTS
 from eplb.placement import Placement
 from eplb.planning import check_topology, plan, positive_int
 from eplb.policy import get_policy
@@ -201,7 +202,10 @@ def simulate(
                          f"or a longer trace")
     if isinstance(policies, str):
         policies = (policies,)
-    policies = list(policies)
+    try:
+        policies = list(policies)
+    except TypeError:
+        raise ValueError(f"policies must be a list of policy names, got {policies!r}") from None
     if not policies:
         raise ValueError("give at least one policy")
     for name in policies:
@@ -277,7 +281,7 @@ def read_trace(name_or_path: str) -> np.ndarray:  # -> [T, L, N] float64
     if not path.is_file():
         raise ValueError(f"trace not found: {name_or_path} (packaged: {', '.join(TRACES)})")
     try:
-        data = np.load(path, allow_pickle=False)
+        data = np.load(path, mmap_mode="r", allow_pickle=False)  # .npy: mapped, not read yet
         if hasattr(data, "files"):  # .npz
             with data:
                 if "counts" in data.files:
@@ -287,7 +291,10 @@ def read_trace(name_or_path: str) -> np.ndarray:  # -> [T, L, N] float64
                 else:
                     raise ValueError(f"the .npz holds {data.files}, none named 'counts'")
         else:
-            arr = data
+            if data.size > MAX_LOAD_ELEMENTS:
+                raise ValueError(f"shape {tuple(data.shape)} is too large (limit {MAX_LOAD_ELEMENTS} "
+                                 f"elements)")
+            arr = np.array(data)
     except Exception as e:  # truncated, pickled, not numpy at all: many exception types
         msg = " ".join(str(e).split())
         raise ValueError(f"{path}: not a readable .npy/.npz trace ({msg})") from None

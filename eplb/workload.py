@@ -77,8 +77,10 @@ def load_trace(name_or_path: str) -> np.ndarray:  # [T, L, N]
             data.close()
         else:
             arr = data
-    except (ValueError, OSError, EOFError) as e:
+    except (ValueError, OSError, EOFError, KeyError) as e:
         raise ValueError(f"{path}: not a readable .npy/.npz trace ({e})") from None
+    if not isinstance(arr, np.ndarray):
+        raise ValueError(f"{path}: not a .npy/.npz trace (no numpy array inside)")
     if arr.ndim != 3:
         raise ValueError(f"{path}: trace must be [T, L, N], got shape {arr.shape}")
     if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):

@@ -166,3 +166,12 @@ def test_routing_bias_is_finite_and_ordered():
     np.testing.assert_allclose(bias[0, 3], 0.5 * np.log(0.7))
     np.testing.assert_allclose(routing_bias(pop, 1.0), 2 * bias)
     assert bias[1, 3] < bias[1, 0]  # zero popularity gets the lowest, still finite, bias
+
+
+def test_load_trace_refuses_a_torch_file(tmp_path):
+    import torch
+
+    path = tmp_path / "trace.pt"
+    torch.save({"counts": torch.ones(2, 2, 2)}, path)
+    with pytest.raises(ValueError, match="trace"):
+        load_trace(str(path))
