@@ -33,11 +33,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from eplb.loadio import MAX_LOAD_ELEMENTS
 from eplb.placement import Placement
 from eplb.planning import check_topology, plan, positive_int
 from eplb.policy import get_policy
 from eplb.transfer import transfer_stats
+from eplb.workload import check_trace, load_trace as read_trace  # re-exported for the CLI
 
 RESERVED_NAMES = ("none", "oracle")
 
@@ -178,7 +178,7 @@ def simulate(
     run on the start-up placement under every policy. `oracle=False` skips the oracle
     references (they double the planning work). `progress()` is called after every plan.
     """
-    trace = _check_trace(trace)
+    trace = check_trace(trace)
     T, L, N = trace.shape
     M = positive_int(num_gpus, "num_gpus")
     P = positive_int(num_slots, "num_slots")
@@ -270,55 +270,6 @@ def aggregate_steps(trace: np.ndarray, every: int) -> np.ndarray:  # [T, L, N] -
         raise ValueError(f"aggregate {every} is more than the trace's {T} steps")
     n = T // every
     return trace[:n * every].reshape(n, every, *trace.shape[1:]).sum(1)
-
-
-def read_trace(name_or_path: str) -> np.ndarray:  # -> [T, L, N] float64
-    """A packaged trace by name (`esft`) or a `.npy` / `.npz` file holding `[T, L, N]`
-    (in an `.npz`: the array `counts`, else its only array). Checked like `simulate` does."""
-    from eplb.workload import TRACES
-
-    path = TRACES.get(name_or_path, Path(name_or_path))
-    if not path.is_file():
-        raise ValueError(f"trace not found: {name_or_path} (packaged: {', '.join(TRACES)})")
-    try:
-        data = np.load(path, mmap_mode="r", allow_pickle=False)  # .npy: mapped, not read yet
-        if hasattr(data, "files"):  # .npz
-            with data:
-                if "counts" in data.files:
-                    arr = data["counts"]
-                elif len(data.files) == 1:
-                    arr = data[data.files[0]]
-                else:
-                    raise ValueError(f"the .npz holds {data.files}, none named 'counts'")
-        else:
-            if data.size > MAX_LOAD_ELEMENTS:
-                raise ValueError(f"shape {tuple(data.shape)} is too large (limit {MAX_LOAD_ELEMENTS} "
-                                 f"elements)")
-            arr = np.array(data)
-    except Exception as e:  # truncated, pickled, not numpy at all: many exception types
-        msg = " ".join(str(e).split())
-        raise ValueError(f"{path}: not a readable .npy/.npz trace ({msg})") from None
-    try:
-        return _check_trace(arr)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
-
-
-def _check_trace(trace: Any) -> np.ndarray:  # -> [T, L, N] float64
-    arr = np.asarray(trace)
-    numeric = np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
-    if arr.dtype == bool or not numeric:
-        raise ValueError(f"trace must hold numbers, got dtype {arr.dtype}")
-    if arr.ndim != 3:
-        raise ValueError(f"trace must be [T, L, N] (steps, layers, experts), got shape {arr.shape}")
-    if 0 in arr.shape:
-        raise ValueError(f"trace is empty: shape {arr.shape}")
-    arr = np.ascontiguousarray(arr, dtype=np.float64)
-    if not np.isfinite(arr).all():
-        raise ValueError("trace contains NaN or inf")
-    if (arr < 0).any():
-        raise ValueError(f"trace contains negative counts (min {arr.min():g})")
-    return arr
 
 
 # ==== reporting ==========================================================================

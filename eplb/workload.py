@@ -7,8 +7,11 @@ real traffic does. Pure numpy.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from eplb.loadio import MAX_LOAD_ELEMENTS
 
 DATA_DIR = Path(__file__).parent / "data"
 TRACES = {"esft": DATA_DIR / "esft_dsv2lite_alltasks_per_seq.npz"}
@@ -44,16 +47,10 @@ class TraceWorkload:
     layer l % L_trace."""
 
     def __init__(self, trace: np.ndarray, num_layers: int, num_experts: int, window: int = 1):
-        trace = np.asarray(trace, dtype=np.float64)
-        if trace.ndim != 3:
-            raise ValueError(f"trace must be [T, L, N], got shape {trace.shape}")
-        if 0 in trace.shape:
-            raise ValueError(f"trace is empty: shape {trace.shape}")
+        trace = check_trace(trace)  # [T, L, N] float64
         if trace.shape[2] != num_experts:
             raise ValueError(f"trace has {trace.shape[2]} experts but the model has {num_experts}; "
                              f"run with --experts {trace.shape[2]}")
-        if not np.isfinite(trace).all() or (trace < 0).any():
-            raise ValueError("trace holds NaN, inf or negative counts")
         self.trace, self.L, self.window = trace, num_layers, max(1, window)
 
     def popularity(self, step: int) -> np.ndarray:  # [L, N]
@@ -63,29 +60,56 @@ class TraceWorkload:
         return counts / counts.sum(1, keepdims=True)
 
 
-def load_trace(name_or_path: str) -> np.ndarray:  # [T, L, N]
-    """A packaged trace by name (see TRACES) or a `.npy`/`.npz` file holding `[T, L, N]`."""
+def load_trace(name_or_path: str) -> np.ndarray:  # -> [T, L, N] float64
+    """A packaged trace by name (`esft`) or a `.npy` / `.npz` file holding `[T, L, N]`
+    (in an `.npz`: the array `counts`, else its only array), checked by `check_trace`.
+    Used by the demo's replay and by `eplb simulate`."""
     path = TRACES.get(name_or_path, Path(name_or_path))
     if not path.is_file():
         raise ValueError(f"trace not found: {name_or_path} (packaged: {', '.join(TRACES)})")
     try:
-        data = np.load(path, allow_pickle=False)
-        if hasattr(data, "files"):
-            if not data.files:
-                raise ValueError("the .npz holds no array")
-            arr = data[data.files[0]]
-            data.close()
+        data = np.load(path, mmap_mode="r", allow_pickle=False)  # .npy: mapped, not read yet
+        if hasattr(data, "files"):  # .npz
+            with data:
+                if not data.files:
+                    raise ValueError("the .npz holds no array")
+                if "counts" in data.files:
+                    arr = data["counts"]
+                elif len(data.files) == 1:
+                    arr = data[data.files[0]]
+                else:
+                    raise ValueError(f"the .npz holds {data.files}, none named 'counts'")
         else:
-            arr = data
-    except (ValueError, OSError, EOFError, KeyError) as e:
-        raise ValueError(f"{path}: not a readable .npy/.npz trace ({e})") from None
-    if not isinstance(arr, np.ndarray):
-        raise ValueError(f"{path}: not a .npy/.npz trace (no numpy array inside)")
+            if data.size > MAX_LOAD_ELEMENTS:
+                raise ValueError(f"shape {tuple(data.shape)} is too large (limit {MAX_LOAD_ELEMENTS} "
+                                 f"elements)")
+            arr = np.array(data)
+    except Exception as e:  # truncated, pickled, not numpy at all: many exception types
+        msg = " ".join(str(e).split())
+        raise ValueError(f"{path}: not a readable .npy/.npz trace ({msg})") from None
+    try:
+        return check_trace(arr)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def check_trace(trace: Any) -> np.ndarray:  # -> [T, L, N] float64
+    """A non-empty, finite, non-negative numeric `[T, L, N]` array as float64, else ValueError."""
+    arr = np.asarray(trace)
+    numeric = np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
+    if arr.dtype == bool or not numeric:
+        raise ValueError(f"trace must hold numbers, got dtype {arr.dtype}")
     if arr.ndim != 3:
-        raise ValueError(f"{path}: trace must be [T, L, N], got shape {arr.shape}")
-    if not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
-        raise ValueError(f"{path}: trace must hold counts (integers or floats), got dtype {arr.dtype}")
-    return arr.astype(np.float64)
+        raise ValueError(f"trace must be [T, L, N] (steps, layers, experts), got shape {arr.shape}")
+    if 0 in arr.shape:
+        raise ValueError(f"trace is empty: shape {arr.shape}")
+    arr = np.ascontiguousarray(arr, dtype=np.float64)
+    if not np.isfinite(arr).all():
+        raise ValueError("trace contains NaN or inf")
+    if (arr < 0).any():
+        raise ValueError(f"trace contains negative counts (min {arr.min():g})")
+    return arr
+
 
 
 def routing_bias(popularity: np.ndarray, strength: float = 1.0) -> np.ndarray:  # [L, N]
