@@ -1,7 +1,7 @@
 """Planner benchmark: the `default` (balanced) planner against the faithful `deepseek` one.
 
     python benchmarks/planner.py              # every table (about 2 minutes on one core)
-    python benchmarks/planner.py --only speed # one section: balance, topology, moves, speed, shares
+    python benchmarks/planner.py --only speed # one section: balance, topology, moves, speed, shares, predict
 
 Balance figures follow the project's yardstick (../shared/tools/planeval.py when present,
 the same definition otherwise): per layer, max GPU load / mean GPU load, the tokens of an
@@ -144,7 +144,11 @@ def section_balance(data) -> None:
     print(f"  no redundant slot (P = N), {(~red).sum()}: {ratio(~red):.3f}")
     print(f"  all but P = N with 1-2 slots per GPU (where deepseek is optimal), {(~fixed).sum()}: {ratio(~fixed):.3f}")
     print(f"  mean over configurations of the per-configuration fraction: "
-          f"{np.mean((r[:, 1] - 1) / np.maximum(r[:, 0] - 1, 1e-300)):.3f}\n")
+          f"{np.mean((r[:, 1] - 1) / np.maximum(r[:, 0] - 1, 1e-300)):.3f} "
+          f"(floor from planeval.lower_bound: {np.mean((r[:, 2] - 1) / np.maximum(r[:, 0] - 1, 1e-300)):.3f})")
+    lb = r[:, 2] - 1  # no placement of a configuration has less excess than its lower bound
+    print(f"  floor for the P = N configurations alone: {lb[~red].sum() / (r[~red, 0] - 1).sum():.3f}; "
+          f"their share of deepseek's summed excess: {(r[~red, 0] - 1).sum() / (r[:, 0] - 1).sum():.3f}\n")
 
 
 # ---- 2. topology ------------------------------------------------------------------------
@@ -304,9 +308,59 @@ def section_shares(data) -> None:
     print("target <= 1.002 at EP <= 32: " + ("met everywhere" if not fails else "missed for " + ", ".join(fails)) + "\n")
 
 
+# ---- 6. prediction ---------------------------------------------------------------------------
+def _predictors(H: np.ndarray, t: int) -> dict:
+    """Causal load predictions for step t from the per-layer shares H [T, L, N] of the
+    steps before it (windows of 20 sequences)."""
+    past = H[:t]
+    last, mean = past[-1], past.mean(0)
+    return {
+        "last window (what eplb simulate --window 1 does)": last,
+        "mean of all past windows": mean,
+        "0.75 last + 0.25 mean": 0.75 * last + 0.25 * mean,
+        "0.5 last + 0.5 mean": 0.5 * last + 0.5 * mean,
+        "decay 0.4 over all past windows": np.tensordot(0.4 ** np.arange(t)[::-1], past, 1),
+        "max of the last 2 windows": past[-2:].max(0),
+        "max of the last 3 windows": past[-3:].max(0),
+        "max of all past windows": past.max(0),
+        "last + 0.5 x max of all past (hedge)": last + 0.5 * past.max(0),
+        "last + 1.0 x max of all past (hedge)": last + past.max(0),
+    }
+
+
+def section_predict() -> None:
+    print("## 6. Prediction: causal load predictors, ESFT replay in windows of 20 sequences, EP16, 80 slots\n")
+    print("plan from scratch on the prediction for window t (made from windows < t only), score on window t; "
+          "t = 1..9; windows 6, 8, 9 are the first after a task switch\n")
+    from eplb.simulate import aggregate_steps
+
+    S = aggregate_steps(per_seq_trace(), 20)  # [10, 26, 64]
+    H = S / np.maximum(S.sum(-1, keepdims=True), 1e-300)  # per-layer shares: windows weigh the same
+    M, P = 16, 80
+    within, switch = [0, 1, 2, 3, 4, 6], [5, 7, 8]
+    for policy in ("deepseek", "default"):
+        res: dict = {}
+        for t in range(1, 10):
+            for name, pred in _predictors(H, t).items():
+                p = plan(pred, M, P, policy=policy)
+                res.setdefault(name, []).append(imbalance(S[t], p.physical_to_logical, M).mean())
+            o = plan(S[t], M, P, policy=policy)
+            res.setdefault("oracle (plans on window t itself)", []).append(
+                imbalance(S[t], o.physical_to_logical, M).mean())
+        causal = np.array([v for k, v in res.items() if not k.startswith("oracle")])  # [predictors, 9]
+        res["best predictor per window, chosen with hindsight"] = list(causal.min(0))
+        rows = [[k, f"{np.mean(v):.4f}", f"{np.mean([v[i] for i in within]):.4f}",
+                 f"{np.mean([v[i] for i in switch]):.4f}"] for k, v in sorted(res.items(), key=lambda kv: np.mean(kv[1]))]
+        print(f"policy `{policy}`\n")
+        table(["prediction", "mean out of sample", "within a task (1-5, 7)", "after a switch (6, 8, 9)"], rows)
+        need = (9 * 1.20 - causal[:, within].min(0).sum()) / 3  # switch-window average that 1.20 needs
+        print(f"to average 1.20 with the best within-task windows above, the three switch windows would need "
+              f"{need:.3f} on average; the best any predictor reaches there is {causal[:, switch].min(0).mean():.3f}\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=["balance", "topology", "moves", "speed", "shares"])
+    ap.add_argument("--only", choices=["balance", "topology", "moves", "speed", "shares", "predict"])
     args = ap.parse_args()
     print(f"numpy {np.__version__}, torch {torch.__version__}; balance figures: {PLANEVAL_SRC}\n")
     data = traces() if args.only in (None, "balance", "topology", "shares") else []
@@ -321,6 +375,8 @@ def main() -> None:
         section_speed()
     if args.only in (None, "shares"):
         section_shares(data)
+    if args.only in (None, "predict"):
+        section_predict()
     print(f"(benchmark ran in {time.time() - t0:.0f} s)")
 
 

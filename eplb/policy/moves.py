@@ -1,0 +1,126 @@
+"""Planning with a previous placement: keep experts where they are unless moving them
+buys balance (`move_tolerance`), and relabel a new plan's GPUs so that experts stay put."""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from eplb.policy.budgets import PREV_ITERS, PREV_WORK, SMALL, iterations
+from eplb.policy.packing import repair_duplicates
+from eplb.policy.refinement import improve_max
+from eplb.policy.rows import counts_of, max_load
+from eplb.policy.solve import solve
+
+
+def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4) -> np.ndarray:
+    """Relabel the GPUs of `new` [R, p] (and order the slots inside each GPU) so that as
+    many experts as possible stay on the GPU and in the slot that held them in `old`.
+    GPU loads are unchanged, only their labels. Greedy matching by proposals: every new
+    GPU proposes to the old GPU that held most of its experts (each expert counted on the
+    GPU of its first old replica); every old GPU accepts its best proposer; a few rounds;
+    the rest are matched in index order. Inside a GPU, an expert that stays keeps its old
+    slot and the k-th newcomer takes the k-th free slot."""
+    R, p = new.shape
+    s = p // m
+    rows = np.arange(R)
+    gpu = np.arange(p) // s
+    # old GPU of the first old replica of every expert (experts absent from `old`: -1)
+    first = np.full(R * n, -1, dtype=np.int64)
+    flat_old = (old + (rows * n)[:, None]).ravel()
+    first[flat_old[::-1]] = np.tile(gpu, R)[::-1]  # written last = lowest slot wins
+    E = new.reshape(R, m, s)  # [R, m, s]
+    cand = first[(E + (rows * n)[:, None, None])]  # [R, m, s] candidate old GPU per item
+    # ov: how many items of the same new GPU have the same candidate (a bincount)
+    pair_key = ((rows[:, None, None] * m + np.arange(m)[None, :, None]) * (m + 1) + cand + 1).ravel()
+    ov = np.bincount(pair_key, minlength=R * m * (m + 1))[pair_key].reshape(R, m, s)
+    ov[cand < 0] = 0
+    match = np.full((R, m), -1, dtype=np.int64)  # new GPU -> old GPU
+    taken = np.zeros(R * m, dtype=bool)  # old GPU already matched
+    row_m = (rows * m)[:, None]
+    cand_flat = np.maximum(cand, 0) + row_m[..., None]  # [R, m, s] flat old GPU
+    key_g = m - np.arange(m)  # lower new GPU index wins ties
+    for _ in range(rounds):
+        score = np.where(taken[cand_flat] | (match >= 0)[..., None], 0, ov)  # [R, m, s]
+        pick = score.argmax(-1)[..., None]
+        best = np.take_along_axis(score, pick, -1)[..., 0]  # [R, m]
+        propose = best > 0
+        if not propose.any():
+            break
+        tflat = np.take_along_axis(cand_flat, pick, -1)[..., 0]  # [R, m] flat old GPU
+        key = np.where(propose, best * (m + 1) + key_g, -1)  # [R, m] unique per new GPU
+        top = np.full(R * m, -1, dtype=np.int64)
+        np.maximum.at(top, tflat[propose], key[propose])
+        win = propose & (key == top[tflat])
+        match[win] = tflat[win] - row_m.repeat(m, 1)[win]
+        taken[tflat[win]] = True
+    # leftovers: k-th unmatched new GPU takes the k-th free old GPU
+    free_new = _stable_false_first(match >= 0)  # [R, m] unmatched first
+    free_old = _stable_false_first(taken.reshape(R, m))  # free first
+    left = np.arange(m)[None, :] < (match < 0).sum(1, keepdims=True)
+    rr2 = np.broadcast_to(rows[:, None], (R, m))
+    match[rr2[left], free_new[left]] = free_old[left]
+    # slots inside each GPU: an expert that stays keeps its old slot (v_of), the k-th
+    # newcomer of a GPU takes its k-th free slot; loops over the s slots of a GPU
+    held = old.reshape(R, m, s)[rows[:, None], match]  # [R, m, s] old content of the matched GPU
+    v_of = np.full((R * m, s), -1, dtype=np.int64)  # [R m, s] old slot of new item u, or -1
+    E2, held2 = E.reshape(R * m, s), held.reshape(R * m, s)
+    for v in range(s):
+        v_of[E2 == held2[:, v:v + 1]] = v
+    hit = v_of >= 0  # [R m, s]
+    used = np.zeros(R * m * s, dtype=bool)  # old slot kept by its expert
+    used[(np.arange(R * m)[:, None] * s + v_of)[hit]] = True
+    used = used.reshape(R * m, s)
+    movers = _stable_false_first(hit)  # [R m, s] movers first, then stayers
+    free = _stable_false_first(used)  # free slots first
+    nmov = s - hit.sum(1, keepdims=True)  # [R m, 1]
+    stay = np.take_along_axis(v_of, movers, 1)
+    dest = np.empty((R * m, s), dtype=np.int64)
+    np.put_along_axis(dest, movers, np.where(np.arange(s) < nmov, free, stay), 1)
+    dest = dest.reshape(R, m, s)
+    out = np.empty_like(new)
+    out[rows[:, None, None], match[..., None] * s + dest] = E
+    return out
+
+
+def _stable_false_first(b: np.ndarray) -> np.ndarray:
+    """Per row of the bool array b [R, X], the indices of the False entries in order, then
+    those of the True entries in order: a stable argsort of b. [R, X] -> [R, X]."""
+    X = b.shape[1]
+    ib = max(1, int(X).bit_length())
+    key = (b.astype(np.int64) << ib) | np.arange(X, dtype=np.int64)
+    return np.sort(key, axis=1) & ((1 << ib) - 1)
+
+
+def plan_rows(w: np.ndarray, p: int, m: int, prev: Optional[np.ndarray], tol: float) -> np.ndarray:
+    """Placement of rows w [R, n]: from scratch, or from `prev` [R, p] (rows of -1 = no
+    previous) with at most (1 + tol) times the from-scratch max GPU load."""
+    R, n = w.shape
+    cap = m
+    has_prev = np.zeros(R, dtype=bool) if prev is None else (prev >= 0).all(1)
+    if not has_prev.any():
+        return solve(w, p, m)
+    # the from-scratch plan is the reference (and the fallback); on large problems (more
+    # than 8192 slots in all) it gets half the budget so that the moves from the previous
+    # placement fit in the rest
+    scratch = solve(w, p, m, share=1.0 if R * p <= SMALL else 0.5)
+    out = scratch.copy()
+    r = np.nonzero(has_prev)[0]
+    old = prev[r]
+    # a previous placement may hold more than m replicas of an expert (not placeable without
+    # two on one GPU); such rows restart from scratch, only relabelled
+    ok_counts = counts_of(old, n).max(1) <= cap
+    target = (1.0 + tol) * max_load(w[r], scratch[r], m) * (1 + 1e-12)
+    local = old.copy()
+    sel = np.nonzero(ok_counts)[0]
+    if sel.size:
+        local[sel] = repair_duplicates(w[r[sel]], old[sel], m)
+        iters = iterations(PREV_WORK, (sel.size * p) ** 2, PREV_ITERS)
+        if iters > 0:  # large problems: only the layers already within tolerance stay
+            local[sel], _ = improve_max(w[r[sel]], local[sel], m, cap, target=target[sel], budget=iters)
+    reached = ok_counts & (max_load(w[r], local, m) <= target)  # (repaired rows hold no duplicates)
+    out[r[reached]] = local[reached]
+    miss = np.nonzero(~reached)[0]
+    if miss.size:
+        out[r[miss]] = align(scratch[r[miss]], old[miss], m, n)
+    return out

@@ -1,0 +1,180 @@
+"""Replica counts: how many slots every expert gets (step 1 of the `balanced` planner),
+and the count search that fits them to a packing of two slots per GPU."""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from eplb.policy.rows import REL_EPS, argsort_rows, take
+
+
+def replica_counts(w: np.ndarray, p: int, cap: int) -> np.ndarray:
+    """Replicas per expert [R, n] (sum p per row, each in [1, cap]): the next replica
+    always goes to the expert with the highest load per replica (DeepSeek's rule).
+
+    The greedy sequence takes the p - n largest values of {w_e / k : 1 <= k < cap};
+    a bisection on that threshold finds nearly all of them at once, a short greedy loop
+    adds the rest (ties go to the lower expert id, as with DeepSeek's argmax)."""
+    R, n = w.shape
+    extra = p - n
+    c = np.ones((R, n), dtype=np.int64)
+    if extra <= 0:
+        return c
+    total = w.sum(1)  # [R]
+    pos = total > 0
+    safe_total = np.where(pos, total, 1.0)
+    # picks(t) = sum_e min(cap - 1, floor(w_e / t)) values >= t; picks(W / extra) <= extra
+    # and, unless the cap binds, picks(W / p) >= extra
+    lo = safe_total / p  # [R]
+    hi = safe_total / extra * (1 + 1e-12)  # [R]
+    limit = float(cap - 1)
+    buf = np.empty_like(w)
+    for _ in range(10):  # geometric bisection: hi/lo shrinks to (p / extra) ** (1 / 1024)
+        mid = np.sqrt(lo * hi)
+        np.divide(w, mid[:, None], out=buf)
+        np.floor(buf, out=buf)
+        np.minimum(buf, limit, out=buf)
+        over = buf.sum(1) > extra
+        lo = np.where(over, mid, lo)
+        hi = np.where(over, hi, mid)
+    np.divide(w, hi[:, None], out=buf)
+    np.floor(buf, out=buf)
+    np.minimum(buf, limit, out=buf)
+    buf[~pos] = 0
+    c += buf.astype(np.int64)
+    short = p - c.sum(1)  # [R] >= 0
+    rows = np.arange(R)
+    while short.max() > 0:  # few iterations unless many loads tie
+        prio = np.where(c < cap, w / c, -1.0)  # [R, n]
+        e = prio.argmax(1)  # [R] first maximum
+        r = rows[short > 0]
+        c[r, e[r]] += 1
+        short[r] -= 1
+    return c
+
+
+def expand(c: np.ndarray, experts: Optional[np.ndarray] = None) -> np.ndarray:
+    """Items [R, p]: expert experts[r, i] repeated c[r, i] times, row by row (every row of
+    c sums to p). experts defaults to 0..n-1 (expert-major order)."""
+    R, n = c.shape
+    if experts is None:
+        experts = np.broadcast_to(np.arange(n), (R, n))
+    return np.repeat(experts.ravel(), c.ravel()).reshape(R, -1)
+
+
+def pairing_max(vals: np.ndarray, m: int) -> np.ndarray:
+    """Max GPU load of the best packing of 2m items onto m GPUs of two slots: the i-th
+    heaviest item with the i-th lightest. Blind to duplicates (it may pair two replicas
+    of one expert), so callers compare the real packings afterwards. [..., 2m] -> [...]."""
+    v = np.sort(vals, axis=-1)
+    return (v[..., :m] + v[..., ::-1][..., :m]).max(-1)
+
+
+def count_search_pairs(w: np.ndarray, c: np.ndarray, m: int, cap: int, steps: int) -> np.ndarray:
+    """Replica counts for two slots per GPU. With two items per GPU the best packing
+    pairs the i-th heaviest item with the i-th lightest, so the max GPU load of a count
+    vector is cheap to score exactly (ignoring duplicates, see `pairing_max`). Hill-climb: each step tries moving one replica from expert a to expert
+    b where a or b is one of the two experts of the critical (max) pair, and keeps the
+    best move while it lowers the max. c [R, n] -> [R, n]."""
+    R, n = w.shape
+    p = 2 * m
+    c = c.copy()
+    rows = np.arange(R)
+    arange_n = np.arange(n)
+    active = np.ones(R, dtype=bool)
+    for _ in range(steps):
+        ra = rows[active]
+        if ra.size == 0:
+            break
+        cc, ww = c[ra], w[ra]  # [A, n]
+        A_ = ra.size
+        ar = np.arange(A_)
+        items = expand(cc)  # [A, p] expert-major
+        vals = take(ww / cc, items)  # [A, p]
+        order = argsort_rows(vals, descending=True)
+        sv = take(vals, order)
+        se = take(items, order)
+        pair = sv[:, :m] + sv[:, ::-1][:, :m]  # [A, m]
+        i = pair.argmax(1)
+        cur = pair[ar, i]  # [A]
+        big = se[ar, i]  # expert of the heavy item of the critical pair
+        small = se[ar, p - 1 - i]  # expert of its partner
+        # candidates (a -> b): b in {big, small} with any a; a in {big, small} with any b
+        anyx = np.broadcast_to(arange_n, (A_, n))
+        bigx = np.broadcast_to(big[:, None], (A_, n))
+        smallx = np.broadcast_to(small[:, None], (A_, n))
+        src = np.concatenate([anyx, anyx, bigx, smallx], 1)  # [A, K]
+        dst = np.concatenate([bigx, smallx, anyx, anyx], 1)  # [A, K]
+        c_src, c_dst = take(cc, src), take(cc, dst)
+        ok = (src != dst) & (c_src >= 2) & (c_dst < cap)
+        new_src = take(ww, src) / np.maximum(c_src - 1, 1)  # [A, K]
+        new_dst = take(ww, dst) / (c_dst + 1)
+        is_src = items[:, None, :] == src[:, :, None]  # [A, K, p]
+        is_dst = items[:, None, :] == dst[:, :, None]
+        first_src = is_src & (np.cumsum(is_src, -1) == 1)  # this item becomes a dst replica
+        nv = np.where(is_src, new_src[..., None], vals[:, None, :])
+        nv = np.where(is_dst | first_src, new_dst[..., None], nv)  # [A, K, p]
+        f = np.where(ok, pairing_max(nv, m), np.inf)  # [A, K]
+        k = f.argmin(1)
+        fb = f[ar, k]
+        mean = ww.sum(1) / m
+        better = fb < cur - REL_EPS * mean
+        r = ra[better]
+        kb = k[better]
+        c[r, src[better, kb]] -= 1
+        c[r, dst[better, kb]] += 1
+        active[ra[~better]] = False
+    return c
+
+
+_COMPOSITIONS: dict[tuple[int, int, int], Optional[np.ndarray]] = {}
+
+
+def compositions(total: int, parts: int, cap: int, limit: int) -> Optional[np.ndarray]:
+    """Every vector of `parts` integers in [1, cap] that sums to `total`, in
+    lexicographic order: [X, parts] int64; None when there are more than `limit`."""
+    key = (total, parts, cap)
+    if key not in _COMPOSITIONS:
+        # ways[j][t]: vectors of j parts in [1, cap] summing to t
+        ways = [[1] + [0] * total]
+        for _ in range(parts):
+            prev = ways[-1]
+            ways.append([sum(prev[t - x] for x in range(1, min(cap, t) + 1)) for t in range(total + 1)])
+        if ways[parts][total] > limit:
+            _COMPOSITIONS[key] = None
+        else:
+            out = []
+
+            def rec(prefix: list, left: int, j: int) -> None:
+                if j == 0:
+                    out.append(list(prefix))
+                    return
+                for x in range(1, min(cap, left) + 1):
+                    if ways[j - 1][left - x]:
+                        prefix.append(x)
+                        rec(prefix, left - x, j - 1)
+                        prefix.pop()
+
+            rec([], total, parts)
+            _COMPOSITIONS[key] = np.array(out, dtype=np.int64).reshape(-1, parts)
+    return _COMPOSITIONS[key]
+
+
+def exact_counts_pairs(w: np.ndarray, m: int, comps: np.ndarray, chunk_elems: int = 4_000_000) -> np.ndarray:
+    """Replica counts [R, n] with the lowest best-pairing max (`pairing_max`) over every
+    count vector of `comps` [X, n] (each summing to 2m): exhaustive, so it does not stop
+    at a local optimum as `count_search_pairs` can. Ties go to the first vector of comps.
+    Rows are processed in chunks of about `chunk_elems` item values."""
+    R, n = w.shape
+    X = comps.shape[0]
+    p = 2 * m
+    idx = np.repeat(np.tile(np.arange(n), X), comps.ravel()).reshape(X, p)  # [X, p] expert of every item
+    cnt = np.take_along_axis(comps, idx, 1).astype(np.float64)  # [X, p] its replica count
+    best = np.empty(R, dtype=np.int64)
+    step = max(1, chunk_elems // (X * p))
+    for a in range(0, R, step):
+        v = w[a:a + step][:, idx] / cnt  # [r, X, p] item loads
+        f = pairing_max(v, m)  # [r, X]
+        best[a:a + step] = f.argmin(1)
+    return comps[best]
