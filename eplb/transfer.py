@@ -7,20 +7,31 @@ Two halves:
   expert the rank already holds, which experts arrive from which peer, and what the rank
   sends to whom. Every rank runs the same deterministic computation on the same inputs,
   so sends and receives match by construction, with no negotiation round;
-* an **executor** that carries a plan out with torch.distributed point-to-point ops
-  (`batch_isend_irecv`, works on gloo and NCCL) *into the model's own tensors*: weights
-  are written with `copy_` into slot views, so storage and `data_ptr` never change and
-  CUDA graphs and registered views stay valid.
+* an **executor** that carries a plan out *into the model's own tensors*: weights are
+  written with `copy_` into slot views, so storage and `data_ptr` never change and CUDA
+  graphs and registered views stay valid.
 
 Per layer and rank the execution is (after vLLM's `move_to_buffer`/`move_from_buffer`
-and SGLang's `update_expert_weights_single_layer`):
+and SGLang's `update_expert_weights_single_layer`), in two public halves that an
+asynchronous caller can run apart (`exchange_layer` in a background thread on a side
+stream, `write_layer` at a step boundary):
 
-1. copy experts needed locally whose only local source slot is about to be overwritten
-   into a staging buffer (an in-place write could clobber the source otherwise);
-2. post all sends (read straight from the untouched weights) and receives (into staging;
-   each remote expert is received once per rank); wait for all of them;
-3. write every changed slot from staging, or straight from an unchanged local slot that
-   holds the same expert (unchanged slots are never written, so they are safe sources).
+1. (`exchange_layer`) copy experts needed locally whose only local source slot is about
+   to be overwritten into a staging buffer (an in-place write could clobber the source);
+2. (`exchange_layer`) move the remote experts into staging, reading the peers' untouched
+   weights, through a *transport*: `P2PTransport` (torch.distributed point-to-point, NCCL
+   or gloo; per peer and tensor one stream of experts cut into `chunk_bytes` messages,
+   sent straight from contiguous slot runs or packed into a bounded, double-buffered pack
+   buffer) or `IpcTransport` (same host, CUDA: the receiver copies from the peer's slots
+   through CUDA IPC mappings made once); `make_transport("auto")` picks;
+3. (`write_layer`) write every changed slot from staging, or straight from an unchanged
+   local slot that holds the same expert (unchanged slots are never written, so they are
+   safe sources).
+
+Extra memory: the staging buffer (`staging_rows(plan)` <= S rows, one layer of local
+experts) plus, for the point-to-point transport only, pack buffers of at most
+2 x `chunk_bytes` per receiving peer when sends need packing, taken from the staging rows
+a layer leaves unused when they have room.
 
 Ranks here are *group-relative* (0 .. group size - 1); the executor maps them to global
 ranks for torch.distributed. Slot `p` of a layer lives on rank `p // (P // num_ranks)`.
@@ -46,7 +57,14 @@ __all__ = [
     "plan_layer_transfers",
     "transfer_stats",
     "execute_layer_transfer",
+    "exchange_layer",
+    "write_layer",
+    "staging_rows",
     "allocate_staging",
+    "P2PTransport",
+    "IpcTransport",
+    "make_transport",
+    "DEFAULT_CHUNK_BYTES",
     "TransferVerificationError",
     "slot_checksums",
 ]
@@ -59,7 +77,8 @@ __all__ = [
 class LayerTransferPlan:
     """What one rank does for one layer. Slots are local indices `0 .. S-1`; ranks are
     group-relative. Staging row `k` holds expert `stage_expert[k]`: locally staged rows
-    come first (ascending expert), then received rows (ascending expert)."""
+    come first (ascending expert), then received rows ordered by (sending rank, expert), so
+    the rows from one peer are one contiguous block (received as one stream)."""
 
     rank: int
     num_ranks: int
@@ -206,8 +225,12 @@ def _rank_plan(old, new, S: int, num_ranks: int, rank: int,
     keep_slot = {}  # expert -> an unchanged slot holding it (safe to read at any time)
     for s in np.flatnonzero(~changed).tolist():
         keep_slot.setdefault(int(old_l[s]), s)
-    received = a_expert[a_recv == rank]  # [R] ascending
-    recv_from = dict(zip(received.tolist(), a_send[a_recv == rank].tolist()))
+    # received rows ordered by (sender, expert): all rows from one peer form one contiguous
+    # block of staging, in the order that peer sends them (ascending expert)
+    r_expert, r_from = a_expert[a_recv == rank], a_send[a_recv == rank]  # [R], [R]
+    by_peer = np.lexsort((r_expert, r_from))  # [R]
+    received = r_expert[by_peer]  # [R]
+    recv_from = dict(zip(received.tolist(), r_from[by_peer].tolist()))
     needed = np.unique(new_l[changed]).tolist()
     staged_local = [e for e in needed if e not in keep_slot and e in first_slot]
     stage_expert = staged_local + received.tolist()  # [K]
@@ -303,6 +326,23 @@ def transfer_stats(old, new, num_ranks: int, bytes_per_expert: int | None = None
 
 # ==== execution (torch.distributed) ====================================================
 
+DEFAULT_CHUNK_BYTES = 1 << 30
+"""Largest message of the point-to-point transport, in bytes (`P2PTransport.chunk_bytes`).
+Chosen by measurement on 2 x H200 (benchmarks/results/transfer-2026-11-30.md): one layer
+of DeepSeek-V3 experts swapped between 2 GPUs reached 0.44 / 0.64 / 0.75 / 0.90 of the raw
+peer copy with 16 MiB / 64 MiB / 256 MiB / 1 GiB messages."""
+
+AUTO_PREFERS_IPC = True
+"""`make_transport("auto")` picks the CUDA IPC pull when every rank is on one host with
+CUDA weights and an NCCL group (measured faster there: 0.97 vs 0.90 of the raw peer copy
+for a whole-layer swap, 0.82 vs 0.79 for a 25% change); otherwise NCCL (or gloo)
+point-to-point."""
+
+
+def staging_rows(plan: LayerTransferPlan) -> int:
+    """Staging rows `exchange_layer` needs for `plan` (`plan.num_staged`, at most S)."""
+    return plan.num_staged
+
 
 def allocate_staging(weights: Sequence[torch.Tensor], rows: int | None = None) -> list[torch.Tensor]:
     """A contiguous staging buffer for one layer: per weight tensor `[rows, ...]`
@@ -322,6 +362,14 @@ def _check_staging(staging: Sequence[torch.Tensor], weights: Sequence[torch.Tens
                 f"{w.dtype} on {w.device}; got {tuple(b.shape)} {b.dtype} on {b.device}")
 
 
+def _check_weights(plan: LayerTransferPlan, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    weights = list(weights)
+    for i, w in enumerate(weights):
+        if w.shape[0] != plan.slots_per_rank:
+            raise ValueError(f"weights[{i}] has {w.shape[0]} slots, the plan expects {plan.slots_per_rank}")
+    return weights
+
+
 def _global_rank(group, rank: int) -> int:
     import torch.distributed as dist
 
@@ -330,9 +378,507 @@ def _global_rank(group, rank: int) -> int:
     return dist.get_global_rank(group, rank)
 
 
+def _runs(a, b) -> list[tuple[int, int, int]]:
+    """Split paired index arrays into maximal runs where both step by +1: `(a0, b0, n)`,
+    so one `copy_` of `n` consecutive slots/rows replaces `n` single-slot copies."""
+    a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)  # [n], [n]
+    if a.size == 0:
+        return []
+    cut = np.flatnonzero((np.diff(a) != 1) | (np.diff(b) != 1)) + 1
+    starts, ends = np.concatenate([[0], cut]), np.concatenate([cut, [a.size]])
+    return [(int(a[s]), int(b[s]), int(e - s)) for s, e in zip(starts, ends)]
+
+
+def _stage_local(plan: LayerTransferPlan, weights, staging) -> None:
+    """Phase 1: local sources that will be overwritten go to their staging rows."""
+    rows = np.flatnonzero(plan.stage_src_slot >= 0)  # [K_local]
+    for src, row, n in _runs(plan.stage_src_slot[rows], rows):
+        for w, b in zip(weights, staging):
+            b[row:row + n].copy_(w[src:src + n])
+
+
+def _peer_blocks(plan: LayerTransferPlan) -> list[tuple[int, int, int]]:
+    """`(peer, first staging row, rows)` per sending peer: the plan orders received rows by
+    (peer, expert), so each peer's rows are one block, in the order the peer sends them."""
+    rows = plan.recv_rows  # [R]
+    peers = plan.stage_src_rank[rows]  # [R]
+    out = []
+    for q in np.unique(peers).tolist():
+        mine = rows[peers == q]
+        if mine[-1] - mine[0] + 1 != mine.size:
+            raise RuntimeError(f"staging rows received from rank {q} are not contiguous")
+        out.append((q, int(mine[0]), int(mine.size)))
+    return out
+
+
+def _send_lists(plan: LayerTransferPlan) -> list[tuple[int, np.ndarray]]:
+    """`(peer, slots [n])` per receiving peer, slots in ascending expert order (the order in
+    which that peer's staging block holds them)."""
+    return [(q, plan.send_slot[plan.send_peer == q]) for q in np.unique(plan.send_peer).tolist()]
+
+
+def _copy_flat_range(dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int) -> None:
+    """`dst[:] = src.flatten()[lo:hi]` (row-major) without materialising `src`; `dst` is 1-D
+    contiguous of length `hi - lo`, `src` may have any strides (a non-contiguous view)."""
+    if hi <= lo:
+        return
+    if src.is_contiguous():
+        dst.copy_(src.view(-1)[lo:hi])
+        return
+    if src.dim() <= 1:
+        dst.copy_(src.reshape(-1)[lo:hi] if src.dim() == 0 else src[lo:hi])
+        return
+    inner = src[0].numel()
+    first, last = -(-lo // inner), hi // inner  # whole rows [first, last)
+    if first > last:  # lo and hi inside one row
+        r = lo // inner
+        _copy_flat_range(dst, src[r], lo - r * inner, hi - r * inner)
+        return
+    pos = 0
+    if lo < first * inner:  # partial head row
+        pos = first * inner - lo
+        _copy_flat_range(dst[:pos], src[first - 1], inner - pos, inner)
+    if last > first:
+        n = (last - first) * inner
+        dst[pos:pos + n].view(last - first, *src.shape[1:]).copy_(src[first:last])
+        pos += n
+    if hi > last * inner:  # partial tail row
+        _copy_flat_range(dst[pos:], src[last], 0, hi - last * inner)
+
+
+def _direct_view(w: torch.Tensor, slots: np.ndarray, E: int, lo: int, hi: int) -> torch.Tensor | None:
+    """Elements `[lo, hi)` of the stream `concat(w[slots[j]].flatten())` as a view of `w`,
+    when they lie in consecutive slots of a contiguous region; else None (pack them)."""
+    j0, j1 = lo // E, (hi - 1) // E
+    s0 = int(slots[j0])
+    if j1 > j0 and not np.array_equal(slots[j0:j1 + 1], np.arange(s0, s0 + j1 - j0 + 1)):
+        return None
+    block = w[s0:s0 + j1 - j0 + 1]
+    if not block.is_contiguous():
+        return None
+    return block.view(-1)[lo - j0 * E:hi - j0 * E]
+
+
+def _gather(dst: torch.Tensor, w: torch.Tensor, slots: np.ndarray, E: int, lo: int, hi: int) -> None:
+    """Pack elements `[lo, hi)` of the stream `concat(w[slots[j]].flatten())` into the 1-D
+    contiguous `dst`, one copy per run of consecutive slots."""
+    j0, j1 = lo // E, (hi - 1) // E
+    pos, j = 0, j0
+    while j <= j1:
+        k = j
+        while k < j1 and slots[k + 1] == slots[k] + 1:
+            k += 1
+        start = lo - j * E if j == j0 else 0  # within expert j
+        end = (k - j) * E + (hi - k * E if k == j1 else E)  # within the run j..k
+        s = int(slots[j])
+        _copy_flat_range(dst[pos:pos + end - start], w[s:s + k - j + 1], start, end)
+        pos += end - start
+        j = k + 1
+
+
+class _Arena:
+    """Pack buffers carved first from the staging rows this layer does not use (rows
+    `K ..` of a staging buffer allocated for S rows), then freshly allocated."""
+
+    def __init__(self, staging: list[torch.Tensor], rows_used: int) -> None:
+        self.free = []  # [uint8 region, bytes taken]
+        for b in staging:
+            if b.shape[0] > rows_used:
+                self.free.append([b.view(-1)[rows_used * b[0].numel():].view(torch.uint8), 0])
+
+    def take(self, nbytes: int, device) -> tuple[torch.Tensor, bool]:
+        """A uint8 buffer of `nbytes` at a 16-byte aligned address (viewable as any dtype);
+        True if freshly allocated."""
+        for region in self.free:
+            start = region[1] + (-(region[0].data_ptr() + region[1])) % 16
+            if start + nbytes <= region[0].numel():
+                region[1] = start + nbytes
+                return region[0][start:start + nbytes], False
+        return torch.empty(nbytes, dtype=torch.uint8, device=device), True
+
+
+class P2PTransport:
+    """Point-to-point exchange over the group's backend (NCCL on GPUs, gloo on CPU),
+    coalesced per peer and chunked.
+
+    Between two ranks and for each weight tensor, the experts one sends the other form ONE
+    stream (ascending expert; on the receiver one contiguous block of staging rows, see
+    `LayerTransferPlan`), cut into messages of at most `chunk_bytes`. Both sides derive the
+    same cuts from counts they share, so no sizes are exchanged. Message `r` of every
+    stream of a rank goes into round `r` (one `batch_isend_irecv`); rounds run back to back,
+    stream-ordered on CUDA (no host wait). Receives land straight in staging. A send whose
+    experts sit in consecutive slots of a contiguous tensor is a view of the weights;
+    anything else (scattered slots, non-contiguous views) is packed into a pack buffer,
+    double-buffered per peer, taken from the staging rows the layer leaves unused (staging
+    allocated for S rows, fewer needed) or else allocated: extra memory beyond staging is
+    at most `2 * chunk_bytes` per receiving peer, and none when every send is direct or
+    the unused staging rows hold the pack buffers.
+
+    `last_messages`, `last_pack_bytes`: messages posted and pack memory allocated beyond
+    staging by the last `exchange` (for benchmarks and tests).
+    """
+
+    name = "nccl"
+
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, (int, np.integer)) or chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
+        self.chunk_bytes = int(chunk_bytes)
+        self.last_messages = 0
+        self.last_pack_bytes = 0
+
+    def __repr__(self) -> str:
+        return f"P2PTransport(chunk_bytes={self.chunk_bytes})"
+
+    def _messages(self, n: int, sizes: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        """`(tensor, lo, hi)` element ranges of the stream of `n` experts, per tensor in
+        order, each at most `chunk_bytes` (at least one element)."""
+        out = []
+        for i, (E, itemsize) in enumerate(sizes):
+            total, step = n * E, max(1, self.chunk_bytes // itemsize)
+            out += [(i, a, min(a + step, total)) for a in range(0, total, step)]
+        return out
+
+    @torch.no_grad()
+    def exchange(self, plan: LayerTransferPlan, weights: list[torch.Tensor], group,
+                 staging: list[torch.Tensor]) -> int:
+        _stage_local(plan, weights, staging)
+        sizes = [(w[0].numel(), w.element_size()) for w in weights]  # per tensor (E, itemsize)
+        sends = []  # (global peer, slots, [(tensor, lo, hi, view or None)])
+        pack_need: dict[int, int] = {}  # peer -> largest packed message (bytes)
+        for q, slots in _send_lists(plan):
+            msgs = []
+            for i, lo, hi in self._messages(len(slots), sizes):
+                view = _direct_view(weights[i], slots, sizes[i][0], lo, hi)
+                if view is None:
+                    pack_need[q] = max(pack_need.get(q, 0), (hi - lo) * sizes[i][1])
+                msgs.append((i, lo, hi, view))
+            sends.append((q, _global_rank(group, q), slots, msgs))
+        recvs = [(_global_rank(group, q), row0, n, self._messages(n, sizes))
+                 for q, row0, n in _peer_blocks(plan)]
+        rounds = max([len(m) for *_, m in sends] + [len(m) for *_, m in recvs] + [0])
+        self.last_messages, self.last_pack_bytes = 0, 0
+        if rounds == 0:
+            return 0
+
+        import torch.distributed as dist
+
+        arena = _Arena(staging, plan.num_staged)
+        banks: list[dict[int, torch.Tensor]] = [{}, {}]  # per round parity: peer -> uint8 buffer
+        pending: list[tuple[list, list]] = []  # per round: (works, tensors kept alive)
+        received = 0
+        for r in range(rounds):
+            if r >= 2:  # its pack buffers are reused now: round r - 2 must be done with them
+                for work in pending[r - 2][0]:
+                    work.wait()
+                pending[r - 2] = ([], [])
+            ops, keep = [], []
+            for q, gq, slots, msgs in sends:
+                if r >= len(msgs):
+                    continue
+                i, lo, hi, t = msgs[r]
+                if t is None:
+                    w = weights[i]
+                    buf = banks[r % 2].get(q)
+                    if buf is None:
+                        buf, fresh = arena.take(pack_need[q], w.device)
+                        banks[r % 2][q] = buf
+                        self.last_pack_bytes += buf.numel() if fresh else 0
+                    t = buf[:(hi - lo) * sizes[i][1]].view(w.dtype)
+                    _gather(t, w, slots, sizes[i][0], lo, hi)
+                ops.append(dist.P2POp(dist.isend, t, gq, group))
+                keep.append(t)
+            for gq, row0, n, msgs in recvs:
+                if r >= len(msgs):
+                    continue
+                i, lo, hi = msgs[r]
+                t = staging[i][row0:row0 + n].view(-1)[lo:hi]
+                ops.append(dist.P2POp(dist.irecv, t, gq, group))
+                keep.append(t)
+                received += t.nbytes
+            self.last_messages += len(ops)
+            pending.append((dist.batch_isend_irecv(ops) if ops else [], keep))
+        for works, _keep in pending[-2:]:
+            for work in works:
+                work.wait()
+        return received
+
+    def settle(self, plan: LayerTransferPlan, group) -> None:
+        """Nothing to do: a rank's own sends completed (stream-ordered) inside `exchange`."""
+
+
+def _uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _weights_key(weights: Sequence[torch.Tensor]) -> tuple:
+    return tuple((w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype) for w in weights)
+
+
+class IpcTransport:
+    """Pull over CUDA IPC (same host): every rank maps the expert tensors of every peer once
+    (`reduce_tensor` handles, one `all_gather_object`), and a receiver copies the experts it
+    needs straight from the peer's old slots into its staging rows (`copy_` over NVLink,
+    one copy per run of consecutive slots), with no NCCL kernels and no pack buffer.
+
+    Per layer, in `exchange`: each sender sends each of its receivers the slots to read
+    (one tiny NCCL message, stream-ordered after everything already queued on the sender's
+    current stream, e.g. the previous layer's writes), the receiver pulls and synchronizes
+    its current stream, so on return its reads are done. A rank must not overwrite slots a
+    peer reads before that peer's `exchange` returned: `settle` (used by
+    `execute_layer_transfer`) waits for a token from every puller; a caller with its own
+    barrier between exchange and write on all ranks may skip it.
+
+    Construction is collective over `group` (every rank, same layers); it raises on every
+    rank when IPC cannot work (ranks on different hosts, a peer GPU not visible, non-CUDA
+    weights, shapes differing between ranks). Costs: a CUDA context on each peer GPU in
+    every process (a few hundred MiB there, not counted by `torch.cuda.memory_allocated`).
+    """
+
+    name = "ipc"
+
+    def __init__(self, expert_weights: Sequence[Sequence[torch.Tensor]], group=None) -> None:
+        import socket
+
+        import torch.distributed as dist
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        layers = [list(ws) for ws in expert_weights]
+        self.rank, self.num_ranks = dist.get_rank(group), dist.get_world_size(group)
+        problem = None
+        if not layers or not layers[0]:
+            problem = "no expert weights given"
+        elif any(w.device.type != "cuda" for ws in layers for w in ws):
+            problem = "expert weights are not all CUDA tensors"
+        elif dist.get_backend(group) != "nccl":
+            problem = f"the group's backend is {dist.get_backend(group)}, not nccl"
+        info = {"problem": problem, "host": socket.gethostname()}
+        if problem is None:
+            self.device = layers[0][0].device
+            info["uuid"] = _uuid(self.device)
+            info["layout"] = [[(tuple(w.shape), w.dtype) for w in ws] for ws in layers]
+            # one set of handles per consumer: each share counts one reference that the
+            # consumer gives back when it drops its mapping (torch's CUDA IPC ref counting)
+            info["handles"] = {q: [[reduce_tensor(w.detach()) for w in ws] for ws in layers]
+                               for q in range(self.num_ranks) if q != self.rank}
+        infos: list = [None] * self.num_ranks
+        dist.all_gather_object(infos, info, group=group)
+        bad = [f"rank {q}: {x['problem']}" for q, x in enumerate(infos) if x["problem"]]
+        if not bad and len({x["host"] for x in infos}) > 1:
+            bad = [f"ranks on several hosts {sorted({x['host'] for x in infos})}"]
+        if not bad and any(x["layout"] != info["layout"] for x in infos):
+            bad = ["expert tensor shapes or dtypes differ between ranks"]
+        self._peers: dict[int, list[list[torch.Tensor]]] = {}
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        if not bad:
+            try:
+                local = {_uuid(torch.device("cuda", d)): d for d in range(torch.cuda.device_count())}
+                for q, x in enumerate(infos):
+                    if q == self.rank:
+                        continue
+                    dev = local.get(x["uuid"])
+                    if dev is None:
+                        raise RuntimeError(f"rank {q}'s GPU {x['uuid']} is not visible in this "
+                                           "process (CUDA_VISIBLE_DEVICES)")
+                    self._peers[q] = [[self._open(h, dev) for h in hs]
+                                      for hs in x["handles"][self.rank]]
+                    self._streams[q] = torch.cuda.Stream(dev)
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                bad = [f"rank {self.rank}: {type(e).__name__}: {e}"]
+        verdicts: list = [None] * self.num_ranks
+        dist.all_gather_object(verdicts, bad, group=group)
+        bad = [b for v in verdicts for b in v]
+        if bad:
+            self._peers.clear()
+            raise RuntimeError("CUDA IPC transport unavailable: " + "; ".join(dict.fromkeys(bad)))
+        self._layer_of = {_weights_key(ws): l for l, ws in enumerate(layers)}
+        self.last_messages = 0
+
+    @staticmethod
+    def _open(handle, device_index: int) -> torch.Tensor:
+        """Map a peer's tensor, on this process's index of the peer's GPU."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        fn, args = handle
+        if fn is not rebuild_cuda_tensor:
+            raise RuntimeError(f"unexpected IPC handle rebuilt by {fn!r}")
+        args = list(args)
+        args[0], args[6], args[10] = torch.Tensor, device_index, False  # plain tensor, local index, no grad
+        return fn(*args)
+
+    def __repr__(self) -> str:
+        return f"IpcTransport(rank={self.rank}, peers={sorted(self._peers)})"
+
+    def close(self) -> None:
+        """Drop this process's mappings of the peers' tensors. Shutdown order: every rank
+        calls `close()`, then a barrier, then the weights may be freed (follow with
+        `torch.cuda.ipc_collect()`); a producer that frees or exits while a peer still maps
+        its memory keeps it in torch's IPC limbo, and freeing that at interpreter exit can
+        abort the process ("driver shutting down")."""
+        self._peers.clear()
+        self._streams.clear()
+        self._layer_of = {}
+
+    def _layer(self, weights: Sequence[torch.Tensor]) -> int:
+        layer = self._layer_of.get(_weights_key(weights))
+        if layer is None:
+            raise ValueError("these expert weights were not registered with the IPC transport "
+                             "(make_transport got other tensors, or it was closed)")
+        return layer
+
+    @torch.no_grad()
+    def exchange(self, plan: LayerTransferPlan, weights: list[torch.Tensor], group,
+                 staging: list[torch.Tensor]) -> int:
+        import torch.distributed as dist
+
+        layer = self._layer(weights)
+        _stage_local(plan, weights, staging)
+        sends, blocks = _send_lists(plan), _peer_blocks(plan)
+        self.last_messages = len(sends) + len(blocks)
+        if not sends and not blocks:
+            return 0
+        ops, slot_bufs = [], []
+        for q, slots in sends:  # the slots each receiver reads, after this stream's earlier work
+            t = torch.as_tensor(slots, dtype=torch.int64).to(self.device)  # [n]
+            ops.append(dist.P2POp(dist.isend, t, _global_rank(group, q), group))
+            slot_bufs.append(t)
+        for q, _row0, n in blocks:
+            t = torch.empty(n, dtype=torch.int64, device=self.device)  # [n]
+            ops.append(dist.P2POp(dist.irecv, t, _global_rank(group, q), group))
+            slot_bufs.append(t)
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        received = 0
+        for (q, row0, n), t in zip(blocks, slot_bufs[len(sends):]):
+            slots = t.cpu().numpy()  # [n] host wait on the current stream only
+            peer = self._peers[q][layer]
+            with torch.cuda.stream(self._streams[q]):  # copies run on the peer GPU's side stream
+                for s0, r0, m in _runs(slots, np.arange(row0, row0 + n)):
+                    for b, pw in zip(staging, peer):
+                        b[r0:r0 + m].copy_(pw[s0:s0 + m])
+                        received += b[r0:r0 + m].nbytes
+        torch.cuda.current_stream(self.device).synchronize()  # every read of peer memory done
+        return received
+
+    def settle(self, plan: LayerTransferPlan, group) -> None:
+        """Pairwise, stream-ordered: send a token to every rank this rank pulled from and make
+        the current stream wait for a token from every rank that pulls from this rank; writes
+        queued after it cannot overwrite slots a peer still reads."""
+        import torch.distributed as dist
+
+        pulled = [q for q, _r, _n in _peer_blocks(plan)]
+        pullers = [q for q, _s in _send_lists(plan)]
+        if not pulled and not pullers:
+            return
+        ops = [dist.P2POp(dist.isend, torch.ones(1, dtype=torch.int64, device=self.device),
+                          _global_rank(group, q), group) for q in pulled]
+        ops += [dist.P2POp(dist.irecv, torch.empty(1, dtype=torch.int64, device=self.device),
+                           _global_rank(group, q), group) for q in pullers]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+TRANSPORTS = ("nccl", "ipc", "auto")
+
+
+def make_transport(kind: str = "auto", expert_weights: Sequence[Sequence[torch.Tensor]] | None = None,
+                   group=None, *, chunk_bytes: int | None = None):
+    """A transport for `exchange_layer(..., transport=...)`.
+
+    `kind`: "nccl" (point-to-point over the group's backend: NCCL on GPUs, gloo on CPU,
+    `P2PTransport(chunk_bytes)`), "ipc" (`IpcTransport`, raises where it cannot work) or
+    "auto" (IPC when every rank is on one host with CUDA weights and an NCCL group and
+    `AUTO_PREFERS_IPC`, else "nccl"). "ipc" and "auto" are collective over `group`
+    (call on every rank, once, with every layer's weights: the weights are registered).
+    """
+    if kind not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {kind!r}")
+    p2p = P2PTransport(DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
+    if kind == "nccl":
+        return p2p
+    if expert_weights is None:
+        raise ValueError(f"expert_weights is required for transport {kind!r}")
+    import torch.distributed as dist
+
+    if kind == "auto":
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
+            return p2p
+        mine = AUTO_PREFERS_IPC and dist.get_backend(group) == "nccl" and all(
+            w.device.type == "cuda" for ws in expert_weights for w in ws)
+        votes: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(votes, bool(mine), group=group)
+        if not all(votes):
+            return p2p
+        try:
+            return IpcTransport(expert_weights, group)
+        except RuntimeError as e:  # raised on every rank alike
+            import logging
+
+            logging.getLogger("eplb.transfer").info("auto transport: NCCL (%s)", e)
+            return p2p
+    return IpcTransport(expert_weights, group)
+
+
+def _resolve(transport):
+    if transport is None or transport == "nccl":
+        return P2PTransport()
+    if isinstance(transport, str):
+        raise ValueError(f"transport {transport!r} needs set-up: pass the object from "
+                         f"make_transport({transport!r}, expert_weights, group) (collective)")
+    if not (hasattr(transport, "exchange") and hasattr(transport, "settle")):
+        raise ValueError(f"transport must be None, 'nccl' or a transport object, got {transport!r}")
+    return transport
+
+
+def exchange_layer(plan: LayerTransferPlan, weights: Sequence[torch.Tensor], group,
+                   staging: Sequence[torch.Tensor], *, transport=None) -> int:
+    """Phases 1 and 2 of one layer: fill staging rows `0 .. plan.num_staged - 1` (local
+    copies of sources that will be overwritten, and the experts received from peers).
+    Reads `weights` and never writes them. Returns bytes received.
+
+    On CUDA the work may be left queued on the current stream (like NCCL's `work.wait()`):
+    staging is ready once an event recorded on the current stream afterwards completes. It
+    never touches the default stream explicitly nor synchronizes the device, so it may run
+    in a background thread with a side stream current.
+    `transport`: None or "nccl" (`P2PTransport` with `DEFAULT_CHUNK_BYTES`), or an object
+    from `make_transport`. Every rank of `group` with a non-noop plan for the layer must
+    call it (plans of all ranks come from the same rows); noop ranks may skip it.
+    """
+    weights = _check_weights(plan, weights)
+    if plan.is_noop:
+        return 0
+    if staging is None:
+        raise ValueError("staging is required: allocate_staging(weights, staging_rows(plan))")
+    staging = list(staging)
+    _check_staging(staging, weights, plan.num_staged)
+    return _resolve(transport).exchange(plan, weights, group, staging)
+
+
+@torch.no_grad()
+def write_layer(plan: LayerTransferPlan, weights: Sequence[torch.Tensor],
+                staging: Sequence[torch.Tensor]) -> None:
+    """Phase 3 of one layer, on the current stream: write every changed slot from its staging
+    row or from an unchanged local slot holding the same expert (one `copy_` per run of
+    consecutive slots); unchanged slots are never written, storage and `data_ptr` stay."""
+    weights = _check_weights(plan, weights)
+    st = plan.write_from_stage  # [W]
+    if st.any():  # staging is only read when some slot comes from it
+        staging = list(staging)
+        _check_staging(staging, weights, plan.num_staged)
+    for dst, src, n in _runs(plan.write_dst[st], plan.write_src[st]):
+        for w, b in zip(weights, staging):
+            w[dst:dst + n].copy_(b[src:src + n])
+    for dst, src, n in _runs(plan.write_dst[~st], plan.write_src[~st]):
+        for w in weights:
+            w[dst:dst + n].copy_(w[src:src + n])
+
+
 def execute_layer_transfer(plan: LayerTransferPlan, weights: Sequence[torch.Tensor],
-                           group=None, staging: Sequence[torch.Tensor] | None = None) -> int:
-    """Carry out `plan` on one layer's local expert tensors, in place; return bytes received.
+                           group=None, staging: Sequence[torch.Tensor] | None = None, *,
+                           transport=None) -> int:
+    """Carry out `plan` on one layer's local expert tensors, in place; return bytes received:
+    `exchange_layer`, the transport's `settle` (IPC: wait until peers finished reading),
+    then `write_layer`.
 
     `weights`: tensors `[S, ...]` (stacked local slots, views allowed, non-contiguous too),
     written only through `copy_` into slot views, so storage and `data_ptr` are unchanged.
@@ -343,54 +889,14 @@ def execute_layer_transfer(plan: LayerTransferPlan, weights: Sequence[torch.Tens
     at once). Under NCCL the group must already have run a collective, since a first
     `batch_isend_irecv` that leaves some ranks out is undefined behaviour.
     """
-    weights = list(weights)
-    S = plan.slots_per_rank
-    for i, w in enumerate(weights):
-        if w.shape[0] != S:
-            raise ValueError(f"weights[{i}] has {w.shape[0]} slots, the plan expects {S}")
+    weights = _check_weights(plan, weights)
     if plan.is_noop:
         return 0
-    K = plan.num_staged
-    if staging is None:
-        staging = allocate_staging(weights, K)
-    else:
-        staging = list(staging)
-        _check_staging(staging, weights, K)
-
-    # 1. stage local sources that will be overwritten, before anything is written
-    for k in np.flatnonzero(plan.stage_src_slot >= 0).tolist():
-        src = int(plan.stage_src_slot[k])
-        for w, b in zip(weights, staging):
-            b[k].copy_(w[src])
-
-    # 2. sends from the untouched weights, receives into staging
-    ops = plan.p2p_ops()
-    received = 0
-    if ops:
-        import torch.distributed as dist
-
-        p2p, keep = [], {}  # keep: contiguous copies of send slots, alive until the wait
-        for kind, peer, _expert, idx in ops:
-            gpeer = _global_rank(group, peer)
-            for i, (w, b) in enumerate(zip(weights, staging)):
-                if kind == "send":
-                    t = keep.get((i, idx))
-                    if t is None:
-                        t = w[idx]
-                        t = keep[(i, idx)] = t if t.is_contiguous() else t.contiguous()
-                    p2p.append(dist.P2POp(dist.isend, t, gpeer, group))
-                else:
-                    p2p.append(dist.P2POp(dist.irecv, b[idx], gpeer, group))
-                    received += b[idx].nbytes
-        for work in dist.batch_isend_irecv(p2p):
-            work.wait()
-        del keep
-
-    # 3. write changed slots from staging or from an unchanged local slot
-    for dst, src, from_stage in zip(plan.write_dst.tolist(), plan.write_src.tolist(),
-                                    plan.write_from_stage.tolist()):
-        for w, b in zip(weights, staging):
-            w[dst].copy_(b[src] if from_stage else w[src])
+    staging = allocate_staging(weights, plan.num_staged) if staging is None else list(staging)
+    transport = _resolve(transport)
+    received = exchange_layer(plan, weights, group, staging, transport=transport)
+    transport.settle(plan, group)
+    write_layer(plan, weights, staging)
     return received
 
 
@@ -486,16 +992,50 @@ class TransferExecutor:
     the checksums of all ranks (one all_gather of `[2S]` int64 per changed layer) and raise
     `TransferVerificationError` on every rank, before `on_layer_done(layer)`, when a slot
     differs from its expert's pre-transfer checksum.
+    `transport`: "nccl" (default; point-to-point over the group's backend, gloo on CPU),
+    "ipc", "auto" (see `make_transport`; set up collectively on the first `execute` and
+    again whenever the weights or group change) or a transport object.
+    `chunk_bytes`: message size of the point-to-point transport (default
+    `DEFAULT_CHUNK_BYTES`).
     """
 
-    def __init__(self, num_nodes: int | None = None, verify: bool = False) -> None:
+    def __init__(self, num_nodes: int | None = None, verify: bool = False, transport="nccl",
+                 chunk_bytes: int | None = None) -> None:
+        if isinstance(transport, str) and transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS} or a transport object, got {transport!r}")
+        if chunk_bytes is not None:
+            P2PTransport(chunk_bytes)  # validates
         self.num_nodes = num_nodes
         self.verify = verify
+        self.transport = transport
+        self.chunk_bytes = chunk_bytes
         self._staging: list[torch.Tensor] | None = None
+        self._made: tuple[tuple, object] | None = None  # (key, transport) made for ipc/auto
+
+    def _transport_for(self, expert_weights, group):
+        """None for the default path (plain `execute_layer_transfer(plan, w, group, staging)`),
+        else the transport object to pass."""
+        t = self.transport
+        if not isinstance(t, str):
+            return t
+        if t == "nccl":
+            return None if self.chunk_bytes is None else P2PTransport(self.chunk_bytes)
+        key = (id(group), tuple(_weights_key(ws) for ws in expert_weights))
+        if self._made is None or self._made[0] != key:
+            self._made = (key, make_transport(t, expert_weights, group, chunk_bytes=self.chunk_bytes))
+        return self._made[1]
 
     def release_staging(self) -> None:
         """Drop the cached staging buffer (it is reused across calls otherwise)."""
         self._staging = None
+
+    def close(self) -> None:
+        """Drop staging and close a transport this executor made ('ipc'/'auto'); see
+        `IpcTransport.close` for the shutdown order."""
+        self._staging = None
+        if self._made is not None and hasattr(self._made[1], "close"):
+            self._made[1].close()
+        self._made = None
 
     def _staging_for(self, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         b = self._staging
@@ -539,6 +1079,9 @@ class TransferExecutor:
 
         received = local = written = nbytes = sent = changed_layers = 0
         device = None
+        transport = None
+        if num_ranks > 1 and any(not np.array_equal(o, n) for o, n in zip(old_p2l, new_p2l)):
+            transport = self._transport_for(expert_weights, group)  # collective for ipc/auto
         for layer in range(L):
             if not np.array_equal(old_p2l[layer], new_p2l[layer]):
                 # every rank sees the same rows, so every rank takes the same branch
@@ -548,7 +1091,12 @@ class TransferExecutor:
                 plan = plan_layer_transfer(old_p2l[layer], new_p2l[layer], num_ranks, rank, num_nodes)
                 old_cs = slot_checksums(weights) if self.verify and weights else None
                 if not plan.is_noop:
-                    nbytes += execute_layer_transfer(plan, weights, group, self._staging_for(weights))
+                    staging = self._staging_for(weights)
+                    if transport is None:
+                        nbytes += execute_layer_transfer(plan, weights, group, staging)
+                    else:
+                        nbytes += execute_layer_transfer(plan, weights, group, staging,
+                                                         transport=transport)
                     received += plan.num_received
                     local += plan.num_local_copies
                     written += plan.num_slots_written
