@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+DISPATCH_MODES = ("exact", "fixed")
 DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -30,6 +31,7 @@ class MoEArgs:
     dtype: torch.dtype = torch.float32  # weights and activations (router runs in fp32)
     seed: int = 0  # all weights derive from (seed, layer, expert / module)
     norm_eps: float = 1e-6
+    dispatch_mode: str = "exact"  # EP all-to-all, moe.dispatch: "exact" | "fixed" (same T per rank)
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str):
@@ -83,6 +85,9 @@ class MoEArgs:
             )
         if self.score_func not in SCORE_FUNCS:
             raise ValueError(f"score_func: {self.score_func!r} is not one of {list(SCORE_FUNCS)}")
+        if self.dispatch_mode not in DISPATCH_MODES:
+            raise ValueError(f"dispatch_mode: {self.dispatch_mode!r} is not one of "
+                             f"{list(DISPATCH_MODES)}")
         if self.dtype not in DTYPES.values():
             raise ValueError(f"dtype: {self.dtype} is not one of {sorted(DTYPES)}")
         if not self.norm_eps > 0:

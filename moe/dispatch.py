@@ -7,15 +7,25 @@ Steps, all tensor ops on the tokens' device:
    an expert's replicas deterministically (no RNG state, same answer on every call).
    Evenly by default; with a registered `logical_replica_cdf` row (weighted replicas)
    the hash, scaled to u in [0, 1), picks the first replica whose cdf exceeds u.
-2. `record_load`: +1 per (token, k) into the layer's `expert_load_view [P]` row with
-   `scatter_add_`; no host sync.
+2. `count_slots`: the per-slot histogram `[P]` of the (token, k) choices, one
+   `scatter_add_`. Dispatch needs it anyway (split sizes, expert group offsets); load
+   recording is one `add_` of it into the layer's `expert_load_view [P]` row, so counting
+   costs a [P]-sized add per layer and no host sync. (`record_load` is the same count as
+   a separate pass, kept for callers that have only the slot ids.)
 3. `dispatch`: sort the (token, k) copies by slot, exchange them with
    `all_to_all_single` so each lands on the rank owning its slot (rank = slot // S), and
-   sort what arrives by local slot for the experts. One host sync reads the split sizes.
+   sort what arrives by local slot for the experts. Two modes (`MoEArgs.dispatch_mode`):
+   * "exact": send exactly the rows each rank needs; one host sync reads the split sizes.
+   * "fixed": every (source, destination) pair exchanges a fixed block of C = T*K rows
+     (the most one rank can send another, so nothing is ever dropped), padded; shapes
+     never depend on the routing, so there is no host sync and the EP forward can be
+     captured in a CUDA graph. It moves W times the rows of "exact" over the wire, and
+     every rank must pass the same T (the layer checks, with one all-reduce, when T changes).
 4. `combine`: the inverse exchange, back into (token, k) order; `weighted_sum` applies
    the gate weights and sums over k.
 
-With no process group (or a group of one) steps 3-4 are local permutations only.
+With no process group (or a group of one) steps 3-4 are local permutations only, with
+no host sync in either mode.
 """
 from __future__ import annotations
 
@@ -98,8 +108,18 @@ def map_to_physical(
     return logical_to_physical_map[topk_ids, replica]  # [T, K]
 
 
+def count_slots(physical_ids: torch.Tensor, num_slots: int) -> torch.Tensor:  # [P] int64
+    """Tokens per physical slot: histogram of `physical_ids [T, K]` over `num_slots` (P)
+    slots, one `scatter_add_` on the device (no host sync, unlike `torch.bincount`)."""
+    flat = physical_ids.reshape(-1)  # [T*K]
+    counts = torch.zeros(num_slots, dtype=torch.int64, device=flat.device)  # [P]
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def record_load(expert_load_view: torch.Tensor, physical_ids: torch.Tensor) -> None:
-    """Count each (token, k) choice into `expert_load_view [P]` in place; no host sync."""
+    """Count each (token, k) choice into `expert_load_view [P]` in place; no host sync.
+    A separate pass over the slot ids; `MoELayer` instead adds the `count_slots`
+    histogram that dispatch computes anyway."""
     flat = physical_ids.reshape(-1)  # [T*K]
     expert_load_view.scatter_add_(
         0, flat, torch.ones(flat.shape, dtype=expert_load_view.dtype, device=flat.device))
@@ -126,6 +146,8 @@ class DispatchState:
     local_order: torch.Tensor | None = None  # [T_r] received rows sorted by local slot
     send_splits: list[int] | None = None  # [W] rows sent to each rank
     recv_splits: list[int] | None = None  # [W] rows received from each rank
+    send_index: torch.Tensor | None = None  # [T*K] "fixed" mode: row of each sorted copy in
+    #                                          the [W*C] send buffer (destination block + offset)
 
 
 def dispatch(
@@ -133,10 +155,13 @@ def dispatch(
     physical_ids: torch.Tensor,  # [T, K] slots in [0, W*S)
     num_local_slots: int,  # S
     group: dist.ProcessGroup | None = None,
+    slot_counts: torch.Tensor | None = None,  # [W*S] `count_slots(physical_ids, W*S)`, if known
+    mode: str = "exact",  # "exact" | "fixed" (see the module docstring)
 ) -> tuple[torch.Tensor, torch.Tensor, list[int] | None, DispatchState]:
     """Send each (token, k) copy of x to the rank owning its slot.
 
-    Returns (x_local [T_r, H] rows for this rank's slots sorted by local slot,
+    Returns (x_local [T_r, H] rows for this rank's slots sorted by local slot (in "fixed"
+             mode [W*C, H]: the real rows first, then padding rows no expert reads),
              counts [S] int64 rows per local slot (device),
              counts_host [S] the same as ints, or None when nothing forced a host sync,
              state for `combine`).
@@ -147,11 +172,15 @@ def dispatch(
     flat = physical_ids.reshape(-1)  # [T*K]
     order = torch.argsort(flat, stable=True)  # [T*K] grouped by slot, hence by rank
     x_sorted = x[order // K]  # [T*K, H]
-    slot_counts = torch.zeros(W * S, dtype=torch.int64, device=flat.device)  # [W*S]
-    slot_counts.scatter_add_(0, flat, torch.ones_like(flat))
+    if slot_counts is None:
+        slot_counts = count_slots(physical_ids, W * S)  # [W*S]
     state = DispatchState(order, T, K)
     if W == 1:
         return x_sorted, slot_counts, None, state
+    if mode == "fixed":
+        return _dispatch_fixed(x_sorted, flat[order], slot_counts, S, W, state, group)
+    if mode != "exact":
+        raise ValueError(f"mode: {mode!r} is not 'exact' or 'fixed'")
 
     # rows per (source rank, my local slot): [W*S], equal splits of S per rank
     recv_slot_counts = torch.empty_like(slot_counts)
@@ -172,6 +201,35 @@ def dispatch(
     return x_recv[local_order], counts, counts_host, state
 
 
+def _dispatch_fixed(
+    x_sorted: torch.Tensor,  # [T*K, H] copies sorted by slot
+    slot_sorted: torch.Tensor,  # [T*K] their slots, non-decreasing
+    slot_counts: torch.Tensor,  # [W*S]
+    S: int, W: int, state: DispatchState, group: dist.ProcessGroup | None,
+) -> tuple[torch.Tensor, torch.Tensor, None, DispatchState]:
+    """"fixed" mode: equal [C, H] blocks per rank pair, C = T*K; fixed shapes, no host sync."""
+    TK, H = x_sorted.shape
+    C = TK  # one rank never sends another more than all its copies: nothing is dropped
+    dest = slot_sorted // S  # [T*K] destination rank, non-decreasing
+    rank_counts = slot_counts.view(W, S).sum(1)  # [W] copies for each destination
+    rank_start = torch.cumsum(rank_counts, 0) - rank_counts  # [W] first sorted copy per rank
+    position = torch.arange(TK, device=x_sorted.device) - rank_start[dest]  # [T*K] in its block
+    send_index = dest * C + position  # [T*K] row in the send buffer
+    send_x = x_sorted.new_empty(W * C, H)  # [W*C, H] padding rows are never read
+    send_x[send_index] = x_sorted
+    send_slot = torch.full((W * C,), S, dtype=torch.int64, device=x_sorted.device)  # [W*C], S = pad
+    send_slot[send_index] = slot_sorted % S
+    recv_x = torch.empty_like(send_x)  # [W*C, H] block r came from rank r
+    recv_slot = torch.empty_like(send_slot)  # [W*C] local slot, S on padding rows
+    dist.all_to_all_single(recv_x, send_x, group=group)
+    dist.all_to_all_single(recv_slot, send_slot, group=group)
+    local_order = torch.argsort(recv_slot, stable=True)  # [W*C] by local slot, padding last
+    counts = torch.zeros(S + 1, dtype=torch.int64, device=x_sorted.device)  # [S + 1]
+    counts = counts.scatter_add_(0, recv_slot, torch.ones_like(recv_slot))[:S]  # [S]
+    state.local_order, state.send_index = local_order, send_index
+    return recv_x[local_order], counts, None, state
+
+
 def combine(
     y_local: torch.Tensor,  # [T_r, H] expert outputs in `dispatch`'s x_local order
     state: DispatchState,
@@ -180,6 +238,12 @@ def combine(
     """Return every expert output to the rank and (token, k) position it came from."""
     if state.local_order is None:
         y_sorted = y_local  # [T*K, H]
+    elif state.send_index is not None:  # "fixed": the same [W*C] blocks back
+        y_recv = torch.empty_like(y_local)  # [W*C, H] back in (source rank, block row) order
+        y_recv[state.local_order] = y_local
+        y_back = torch.empty_like(y_recv)  # [W*C, H] my copies, where I put them in send_x
+        dist.all_to_all_single(y_back, y_recv, group=group)
+        y_sorted = y_back[state.send_index]  # [T*K, H]
     else:
         y_recv = torch.empty_like(y_local)  # [T_r, H] back in (source rank, slot) order
         y_recv[state.local_order] = y_local

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .args import MoEArgs
-from .dispatch import combine, dispatch, map_to_physical, record_load, weighted_sum
+from .dispatch import combine, count_slots, dispatch, map_to_physical, weighted_sum
 from .experts import GroupedExperts, SharedExperts
 from .router import Router
 from .weights import norm_weight_for
@@ -42,6 +42,12 @@ class MoELayer(nn.Module):
     Weighted replicas (optional, `set_eplb_replica_weights`): a row view
     `logical_replica_cdf [N, R]` makes the replica choice follow the replica shares;
     without one, tokens split evenly over an expert's replicas.
+
+    Load recording adds the per-slot histogram dispatch needs anyway into the load view
+    (one [P] add, no host sync). With no EP group, or with `dispatch_mode="fixed"` once a
+    batch size has been seen, the forward has no host sync and can be captured in a CUDA
+    graph (bf16 on CUDA, where the experts run `torch._grouped_mm`); replays see in-place
+    map and weight updates, since only the contents of the registered tensors change.
     """
 
     def __init__(self, args: MoEArgs, layer: int, num_local_slots: int,
@@ -59,6 +65,8 @@ class MoELayer(nn.Module):
         self.shared_experts = (SharedExperts(args, layer, device)
                                if args.num_shared_experts > 0 else None)
         self.record_load = True  # False: route without counting (warm-up, dummy batches)
+        self.dispatch_mode = args.dispatch_mode  # "exact" | "fixed" (moe.dispatch)
+        self._fixed_checked: tuple | None = None  # "fixed": (T, group) checked equal on all ranks
         self.moe_layer_idx: int | None = None
         self.expert_load_view: torch.Tensor | None = None  # [P]
         self.logical_to_physical_map: torch.Tensor | None = None  # [N, R]
@@ -126,18 +134,37 @@ class MoELayer(nn.Module):
         if world * S != self.num_physical_experts:
             raise RuntimeError(f"{world} ranks x {S} local slots != {self.num_physical_experts} "
                                "physical experts; the runtime must resize the layer first")
+        fixed = self.dispatch_mode == "fixed" and world > 1
+        if fixed and (x.shape[0], self.group) != self._fixed_checked:
+            self._check_same_tokens(x)
         topk_ids, topk_weights = self.router(x)  # [T, K], [T, K]
         physical_ids = map_to_physical(topk_ids, self.logical_to_physical_map,
                                        self.logical_replica_count,
                                        self.logical_replica_cdf)  # [T, K]
+        slot_counts = count_slots(physical_ids, self.num_physical_experts)  # [P]
         if self.record_load:
-            record_load(self.expert_load_view, physical_ids)
-        x_local, counts, counts_host, state = dispatch(x, physical_ids, S, self.group)
+            self.expert_load_view.add_(slot_counts.to(self.expert_load_view.dtype))
+        x_local, counts, counts_host, state = dispatch(x, physical_ids, S, self.group,
+                                                       slot_counts, self.dispatch_mode)
         y_local = self.experts(x_local, counts, counts_host)  # [T_r, H]
         out = weighted_sum(combine(y_local, state, self.group), topk_weights)  # [T, H]
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def _check_same_tokens(self, x: torch.Tensor) -> None:
+        """"fixed" dispatch exchanges equal T*K-row blocks, so every rank must pass the same
+        T. Checked with one all-reduce (and host sync) whenever T or the group changes, so
+        never inside a captured graph, whose T is the warm-up's; every rank raises alike."""
+        T = x.shape[0]
+        both = torch.tensor([T, -T], dtype=torch.int64, device=x.device)  # [max T, -min T]
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        high, low = both.tolist()
+        if high != T or -low != T:
+            raise ValueError(f"dispatch_mode: 'fixed' needs the same number of tokens on every "
+                             f"EP rank (this rank {T}, min {-low}, max {high}); pad the batch "
+                             f"or use 'exact'")
+        self._fixed_checked = (T, self.group)
 
 
 class MoEBlock(nn.Module):

@@ -12,7 +12,7 @@ from eplb.protocol import MixtureOfExperts, is_mixture_of_experts, missing_membe
 from moe import (DenseMoEModel, GroupedExperts, MoEArgs, MoEModel, Router, eplb_state_for,
                  expert_weights_for, hash_replica, map_to_physical, sample_tokens,
                  write_expert_slots)
-from moe.dispatch import KNUTH
+from moe.dispatch import KNUTH, count_slots
 
 DEVICE = device_for(0)
 # fp32 on CPU is bitwise-close; cuBLAS may block rows differently per batch size
@@ -287,8 +287,8 @@ def test_update_physical_experts_metadata():
     x = sample_tokens(args, 8)
     model.update_physical_experts_metadata(10, 10)  # unchanged: still runs
     model(x)
-    with pytest.raises(ValueError, match="num_local_physical_experts"):
-        model.update_physical_experts_metadata(20, 20)
+    with pytest.raises(ValueError, match="num_local_physical_experts"):  # re-allocation: test_resize.py
+        model.update_physical_experts_metadata(20, 0)
     # P grows (as if a second rank joined with 10 more slots): counts update, the old
     # maps are dropped until the runtime registers [L, 20] tensors and an EP group
     model.update_physical_experts_metadata(20, 10)
@@ -430,3 +430,86 @@ def test_ep_group_limited_sigmoid_two_ranks():
     kw = dict(TINY, num_redundant_experts=2, score_func="sigmoid", num_expert_groups=4,
               topk_groups=2, norm_topk_prob=True)
     run_distributed(_ep_worker, 2, kw, 23)
+
+
+# ---- load counting fused into dispatch; "fixed" dispatch ------------------------------
+
+def test_count_slots_is_the_histogram_of_slot_ids():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 13, (50, 3), generator=g)
+    assert torch.equal(count_slots(ids, 16), torch.bincount(ids.reshape(-1), minlength=16))
+
+
+def test_load_view_of_any_integer_dtype_counts_every_choice():
+    """The layer adds dispatch's int64 slot histogram into the registered view, whatever
+    integer dtype the runtime gave it."""
+    args = tiny(num_redundant_experts=2)
+    model = MoEModel(args)
+    load, l2p, count = eplb_state_for(Placement.initial(2, 8, 10, 1))
+    load = load.to(torch.int32)
+    model.set_eplb_state(load, l2p, count)
+    model(sample_tokens(args, 30))
+    assert load.dtype == torch.int32
+    assert torch.equal(load.sum(1), torch.full((2,), 30 * args.top_k, dtype=torch.int32))
+
+
+def test_dispatch_mode_is_validated():
+    with pytest.raises(ValueError, match="dispatch_mode"):
+        tiny(dispatch_mode="padded").validate(1)
+    assert tiny(dispatch_mode="fixed").validate(1).dispatch_mode == "fixed"
+
+
+def _fixed_dispatch_worker(rank: int, world: int, seed: int) -> None:
+    """The same model and batch through "exact" and "fixed" dispatch: identical outputs
+    (the experts see the same rows in the same order) and identical load, both equal to
+    the dense oracle, under the initial and a random placement with replicas."""
+    device = device_for(rank)
+    tol = dict(atol=1e-5, rtol=1e-5) if device.type == "cpu" else dict(atol=1e-4, rtol=1e-4)
+    args = MoEArgs(**EP_ARGS, dispatch_mode="fixed")
+    L, N, P = args.num_layers, args.num_experts, args.num_physical_experts
+    model = MoEModel(args, group=dist.group.WORLD, device=device)
+    assert all(layer.dispatch_mode == "fixed" for layer in model.moe_layers)
+    S = model.num_local_physical_experts
+    ref = DenseMoEModel(args, device)
+    bias = random_bias(args, seed).to(device)
+    model.set_routing_bias(bias)
+    ref.set_routing_bias(bias)
+    load, l2p, count = eplb_state_for(Placement.initial(L, N, P, world), device, max_replicas=P)
+    model.set_eplb_state(load, l2p, count)
+    for step, placement in enumerate([Placement.initial(L, N, P, world),
+                                      random_placement(L, N, P, world, seed)]):
+        local = placement.physical_to_logical[:, rank * S:(rank + 1) * S]  # [L, S]
+        for i, (w13, w2) in enumerate(model.expert_weights):
+            write_expert_slots(w13, w2, args, i, local[i])
+        _, new_l2p, new_count = eplb_state_for(placement, device, max_replicas=P)
+        l2p.copy_(new_l2p)
+        count.copy_(new_count)
+        x = sample_tokens(args, 24, seed=10 * step + rank, device=device)  # same T on every rank
+        out = {}
+        for mode in ("exact", "fixed"):
+            for layer in model.moe_layers:
+                layer.dispatch_mode = mode
+            load.zero_()
+            out[mode] = (model(x), load.clone())
+        assert torch.equal(out["fixed"][0], out["exact"][0])
+        assert torch.equal(out["fixed"][1], out["exact"][1])
+        ref.reset_load()
+        torch.testing.assert_close(out["fixed"][0], ref(x), **tol)
+        assert torch.equal(logical_from_physical(out["fixed"][1], placement.physical_to_logical, N),
+                           ref.logical_load)
+
+
+def _fixed_dispatch_unequal_batches_worker(rank: int, world: int) -> None:
+    args = MoEArgs(**EP_ARGS, dispatch_mode="fixed")
+    model = MoEModel(args, group=dist.group.WORLD, device=device_for(rank))
+    with pytest.raises(ValueError, match="same number of tokens"):
+        model(sample_tokens(args, 10 + rank, device=device_for(rank)))
+
+
+def test_fixed_dispatch_rejects_unequal_batches_on_every_rank():
+    run_distributed(_fixed_dispatch_unequal_batches_worker, 2)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fixed_dispatch_matches_exact_and_dense(world):
+    run_distributed(_fixed_dispatch_worker, world, 10 + world)
