@@ -42,6 +42,20 @@ class EplbConfig:
     """After each layer's weight transfer, compare per-slot checksums of all replicas with
     the pre-transfer checksum of their expert (one all_gather per changed layer); a
     mismatch fails the rebalance before that layer's maps are committed."""
+    async_rebalance: bool = False
+    """Plan and move weights in a background thread (side CUDA stream, own process group)
+    while `step()` keeps serving; each layer's weights and maps switch together at a step
+    boundary that all ranks agree on. False: `rebalance()` does everything before returning."""
+    transport: str = "nccl"
+    """How expert weights travel between ranks: "nccl" (point-to-point over the EP group's
+    backend, coalesced per peer in messages of up to 1 GiB; gloo on CPU), "ipc" (CUDA IPC
+    pulls straight from the peers' slots, all ranks on one host) or "auto" (IPC where it
+    can work, else "nccl"; see `eplb.transfer.make_transport`). benchmarks/README.md has
+    the bandwidth of each."""
+    transfer_timeout: float = 300.0
+    """Seconds a rebalance waits for a peer (or for its own transfer to make progress)
+    before it counts the rebalance as failed; a rank that died or stopped answering is
+    detected within about twice this."""
 
     def verify(self, num_logical_experts: int, num_gpus: int,
                num_physical_experts: int | None = None) -> "EplbConfig":
@@ -80,6 +94,14 @@ class EplbConfig:
                              f"got {self.control_interval!r}")
         if not isinstance(self.verify_transfers, bool):
             raise ValueError(f"verify_transfers must be a bool, got {self.verify_transfers!r}")
+        if self.transport not in ("auto", "nccl", "ipc"):
+            raise ValueError(f"transport={self.transport!r} is unknown; choose one of "
+                             "['auto', 'nccl', 'ipc']")
+        if not isinstance(self.async_rebalance, bool):
+            raise ValueError(f"async_rebalance must be a bool, got {self.async_rebalance!r}")
+        if (isinstance(self.transfer_timeout, bool) or not isinstance(self.transfer_timeout, (int, float))
+                or not 0 < self.transfer_timeout <= 86400):
+            raise ValueError(f"transfer_timeout must be seconds in (0, 86400], got {self.transfer_timeout!r}")
         if self.policy not in available_policies():
             raise ValueError(f"policy={self.policy!r} is unknown; choose one of {available_policies()}")
         if self.initial_placement is not None and not os.path.isfile(self.initial_placement):

@@ -11,6 +11,7 @@ import itertools
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -74,15 +75,23 @@ class RebalanceRequests:
             return None if s is None else s.to_dict()
 
 
-def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """A gloo group over the same ranks as `group` (itself if it is gloo already), so the
-    per-step agreement never touches the GPU stream. Collective: every rank must call it."""
+def control_group(group: dist.ProcessGroup | None, timeout: float | None = None
+                  ) -> dist.ProcessGroup | None:
+    """A new gloo group over the same ranks as `group`, so the per-step agreements never
+    touch the GPU stream and fail after `timeout` seconds (None: the default) instead of
+    hanging on a dead peer. Collective over the members of `group`."""
     if not dist.is_initialized():
         return None
-    if dist.get_backend(group) == "gloo":
-        return group
-    ranks = None if group is None else dist.get_process_group_ranks(group)
-    return dist.new_group(ranks=ranks, backend="gloo")
+    return new_group_like(group, "gloo", timeout)
+
+
+def new_group_like(group: dist.ProcessGroup | None, backend: str,
+                   timeout: float | None = None) -> dist.ProcessGroup:
+    """A new process group with the ranks of `group` (None: the world) on `backend`; only
+    its members take part in the creation. Collective over the members of `group`."""
+    ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+    kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    return dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=True, **kwargs)
 
 
 def agree(local: bool, group: dist.ProcessGroup | None) -> bool:
@@ -92,3 +101,12 @@ def agree(local: bool, group: dist.ProcessGroup | None) -> bool:
     flag = torch.tensor([int(local)], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
+
+
+def agree_min(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
+    """The element-wise minimum of `values` over all ranks (one int64 MIN all-reduce)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return t.tolist()

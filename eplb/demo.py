@@ -22,7 +22,7 @@ import torch.distributed as dist
 from eplb.config import EplbConfig
 from eplb.placement import Placement, balancedness_of_gpu_loads
 from eplb.progress import ProgressBar
-from eplb.runtime import EplbRuntime
+from eplb.runtime import EplbFatalError, EplbRuntime
 from eplb.workload import SkewedDriftWorkload, TraceWorkload, load_trace, routing_bias
 
 
@@ -35,6 +35,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="rebalance every K steps (default 50)")
     p.add_argument("--window", type=int, default=None,
                    help="steps of load each plan sees (default: the rebalance interval)")
+    p.add_argument("--async", dest="async_rebalance", action="store_true",
+                   help="rebalance in the background while serving (EplbConfig.async_rebalance)")
     p.add_argument("--verify", action="store_true",
                    help="after every rebalance check outputs against the dense reference "
                         "and every slot bitwise against its expert's weights")
@@ -111,7 +113,8 @@ def setup(a: argparse.Namespace, world: int):
 
     redundant = world if a.redundant is None else a.redundant
     config = EplbConfig(num_redundant_experts=redundant, window_size=a.window,
-                        rebalance_interval=a.rebalance_every, policy=a.policy)
+                        rebalance_interval=a.rebalance_every, policy=a.policy,
+                        async_rebalance=a.async_rebalance)
     config.verify(a.experts, world)  # config errors first: they name the EPLB fields
     args = MoEArgs(hidden_size=a.hidden, intermediate_size=a.intermediate, num_layers=a.layers,
                    num_experts=a.experts, top_k=a.top_k, num_redundant_experts=redundant,
@@ -191,7 +194,11 @@ def run(a: argparse.Namespace) -> int:
         cur = cur.cpu().numpy()
         bal = balancedness_of_gpu_loads(cur[:, :M])  # [L] what EPLB achieved
         bal_static = static.balancedness(cur[:, M:])  # [L] the same step with no balancer
-        event = runtime.step()
+        try:
+            event = runtime.step()
+        except EplbFatalError as e:
+            print(f"eplb demo: error on rank {rank}: {e}", file=sys.stderr)
+            return 3
         rec = {"step": step, "balancedness": bal.round(5).tolist(),
                "balancedness_static": bal_static.round(5).tolist(), "rebalance": None}
         if event is not None:
@@ -202,13 +209,15 @@ def run(a: argparse.Namespace) -> int:
                 "seconds_plan": round(event.seconds_plan, 6),
                 "seconds_transfer": round(event.seconds_transfer, 6),
                 "seconds_commit": round(event.seconds_commit, 6),
+                "steps_in_flight": event.steps_in_flight,
                 "balancedness_before": event.balancedness_before.round(5).tolist(),
                 "balancedness_after_predicted": event.balancedness_after.round(5).tolist(),
             }
             line = (f"step {step + 1:5d} rebalance: balancedness {event.balancedness_before.mean():.3f}"
                     f" -> {event.balancedness_after.mean():.3f} (predicted), "
                     f"{event.experts_moved} experts moved, {event.bytes_moved / 1e6:.2f} MB, "
-                    f"{event.seconds * 1e3:.1f} ms")
+                    f"{event.seconds * 1e3:.1f} ms"
+                    + (f" over {event.steps_in_flight} steps" if event.steps_in_flight else ""))
             if reference is not None:
                 diff, bad = verify(args, model, reference, runtime, x)
                 t = torch.tensor([diff, float(bad)], dtype=torch.float64, device=device)

@@ -15,8 +15,7 @@ every rank of the group must attach with the same `interval`. The accumulator re
 every rebalance, so the load gauges describe the placement in force.
 
 Rebalance figures come from `runtime.add_listener` (events are identical on every rank);
-failures, which raise out of `rebalance()`/`apply_placement()` before any event exists,
-are counted by thin wrappers around those two methods (`track()`, installed by default).
+failures come from `runtime.add_failure_listener` (`track()`, installed by default).
 Step count, window fill and placement age are read at scrape time.
 
 Metric names (stable; the Grafana dashboard and alerting rules depend on them):
@@ -40,10 +39,9 @@ Metric names (stable; the Grafana dashboard and alerting rules depend on them):
 """
 from __future__ import annotations
 
-import functools
 import logging
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -74,8 +72,7 @@ class EplbMetrics:
     runtimes or tests never collide); pass `prometheus_client.REGISTRY` to expose them next
     to your own metrics. `interval`: steps between load updates (and all-reduces), the same
     on every rank. `per_expert_replicas`: also export `eplb_expert_replicas` (L x N series).
-    `track_failures`: wrap `runtime.rebalance` / `runtime.apply_placement` to count
-    failures (see `track()`).
+    `track_failures`: count failed rebalances (see `track()`).
     """
 
     def __init__(self, runtime: "EplbRuntime", registry: CollectorRegistry | None = None,
@@ -128,8 +125,6 @@ class EplbMetrics:
         self._acc_steps = 0
         self._overall: float | None = None  # exported once the first interval is measured
         self._placement_changed_at = time.monotonic()
-        self._depth = 0  # nesting of tracked calls (rebalance -> apply_placement)
-        self._event_seen = False  # a success event arrived during the outermost tracked call
         self._tracked = False
         self._set_replicas(placement)
         for event in runtime.events:  # rebalances before attaching (e.g. trigger "initial")
@@ -174,7 +169,6 @@ class EplbMetrics:
             self.gpu_load.labels(str(g)).set(float(tokens))
 
     def _on_event(self, event: "RebalanceEvent") -> None:
-        self._event_seen = True
         try:
             self._record_event(event)
             if event.slots_changed:
@@ -215,35 +209,16 @@ class EplbMetrics:
 
     # ---- failures ------------------------------------------------------------------
     def track(self) -> None:
-        """Count rebalances that raise as outcome="failure": wraps `runtime.rebalance` and
-        `runtime.apply_placement` (instance attributes, so `step()` goes through them too).
-        A call that raises after its success event was recorded (a later listener failing)
-        is not counted again. Idempotent; installed by the constructor by default."""
+        """Count failed rebalances (synchronous or asynchronous, any trigger) as
+        outcome="failure", through `runtime.add_failure_listener`. Idempotent; installed
+        by the constructor by default."""
         if self._tracked:
             return
-        rt = self.runtime
-        rt.rebalance = self._wrap(rt.rebalance, trigger_pos=0)
-        rt.apply_placement = self._wrap(rt.apply_placement, trigger_pos=1)
+        self.runtime.add_failure_listener(self._on_failure)
         self._tracked = True
 
-    def _wrap(self, fn: Callable, trigger_pos: int) -> Callable:
-        @functools.wraps(fn)
-        def tracked(*args, **kwargs):
-            outer = self._depth == 0
-            if outer:
-                self._event_seen = False
-            self._depth += 1
-            try:
-                return fn(*args, **kwargs)
-            except Exception:
-                if outer and not self._event_seen:
-                    trigger = kwargs.get("trigger", args[trigger_pos] if len(args) > trigger_pos
-                                         else "api")
-                    self.rebalances.labels(str(trigger), "failure").inc()
-                raise
-            finally:
-                self._depth -= 1
-        return tracked
+    def _on_failure(self, trigger: str, error: BaseException) -> None:
+        self.rebalances.labels(str(trigger), "failure").inc()
 
     # ---- read back (tests, the demo) -----------------------------------------------
     def value(self, name: str, **labels: str) -> float | None:

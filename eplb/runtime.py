@@ -10,6 +10,7 @@ Every rank of `group` must call `step()` and `rebalance()` in lockstep.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,18 +21,18 @@ import torch
 import torch.distributed as dist
 
 from eplb.config import EplbConfig
-from eplb.control import RebalanceRequests, agree, control_group
+from eplb.control import RebalanceRequests, agree, control_group, new_group_like
 from eplb.placement import Placement, balancedness_of_gpu_loads
 from eplb.planning import plan
 from eplb.protocol import MixtureOfExperts, missing_members, replica_cdf, supports_replica_weights
 from eplb.recorder import LoadRecorder
-from eplb.transfer import TransferExecutor, TransferVerificationError, transfer_stats
+from eplb.placement_change import EplbFatalError, PlacementChange, RebalanceError
+from eplb.transfer import make_transport, transfer_stats
 
 log = logging.getLogger("eplb.runtime")
 
 
-class RebalanceError(RuntimeError):
-    """A rebalance stopped part-way; the runtime stays consistent (see `apply_placement`)."""
+__all__ = ["EplbRuntime", "RebalanceEvent", "RebalanceError", "EplbFatalError"]
 
 
 @dataclass
@@ -48,8 +49,9 @@ class RebalanceEvent:
     bytes_moved: int  # bytes sent between ranks, all ranks together
     seconds_plan: float
     seconds_transfer: float
-    seconds_commit: float
+    seconds_commit: float  # time the step loop spent switching layers (writes + maps)
     placement: Placement = field(repr=False)
+    steps_in_flight: int = 0  # step boundaries the change spanned (asynchronous mode)
 
     @property
     def seconds(self) -> float:
@@ -64,7 +66,7 @@ class RebalanceEvent:
             "experts_moved": self.experts_moved, "local_copies": self.local_copies,
             "slots_changed": self.slots_changed, "bytes_moved": self.bytes_moved,
             "seconds_plan": self.seconds_plan, "seconds_transfer": self.seconds_transfer,
-            "seconds_commit": self.seconds_commit,
+            "seconds_commit": self.seconds_commit, "steps_in_flight": self.steps_in_flight,
         }
 
 
@@ -115,14 +117,32 @@ class EplbRuntime:
         self.bytes_per_expert = sum(w.numel() // S * w.element_size() for w in self.expert_weights[0])
 
         self.recorder = LoadRecorder(L, N, self.world_size, S, self.config.window_size, self.device)
-        self.executor = TransferExecutor(num_nodes=self.config.num_nodes,
-                                         verify=self.config.verify_transfers)
         self.steps = 0
         self.events: list[RebalanceEvent] = []
         self._listeners: list[Callable[[RebalanceEvent], None]] = []
+        self._failure_listeners: list[Callable[[str, BaseException], None]] = []
         self._step_hooks: list[Callable[["EplbRuntime"], None]] = []
         self.requests = RebalanceRequests()  # filled from any thread, served in step()
-        self._control_group = None  # gloo group for agreeing on requests, made on first use
+        # own groups, with the config's timeout, so a dead or frozen peer is detected:
+        # gloo for the per-step agreements, the EP group's backend for weight transfers
+        self._control_group = self._transfer_group = self._plan_group = None
+        if self.world_size > 1:
+            # agreements wait twice as long as transfers, so a rank that failed early
+            # still hears from peers that first sat out their transfer timeout
+            self._control_group = control_group(group, 2 * self.config.transfer_timeout)
+            # CPU collectives of the rebalance thread (plan broadcast, checksum gathers):
+            # a gloo group of its own, so the thread never launches an NCCL kernel beside the
+            # model's and never shares a group with the step loop's agreements
+            self._plan_group = control_group(group, self.config.transfer_timeout)
+            self._transfer_group = self._new_transfer_group()
+        # collective (IPC: every rank maps its peers' expert tensors once)
+        self.transport = make_transport(self.config.transport, self.expert_weights,
+                                        self._transfer_group)
+        self._change: PlacementChange | None = None  # the rebalance in flight (async mode)
+        self._change_info: dict = {}
+        self._stale: list[PlacementChange] = []  # aborted changes whose thread may still run
+        self.fatal_error: EplbFatalError | None = None
+        atexit.register(self.close)
         if self.config.initial_placement:
             target = Placement.load(self.config.initial_placement, N, self.world_size)
             self.apply_placement(target, trigger="initial")
@@ -152,6 +172,10 @@ class EplbRuntime:
         """Call `fn(event)` after every rebalance (the hook metrics attach to)."""
         self._listeners.append(fn)
 
+    def add_failure_listener(self, fn: Callable[[str, BaseException], None]) -> None:
+        """Call `fn(trigger, error)` after every rebalance that failed (synchronous or not)."""
+        self._failure_listeners.append(fn)
+
     # ---- the step loop -----------------------------------------------------------
     def add_step_hook(self, fn: Callable[["EplbRuntime"], None]) -> None:
         """Call `fn(runtime)` at the end of every `step()` (before any rebalance)."""
@@ -166,51 +190,85 @@ class EplbRuntime:
         """State of a requested rebalance: pending, running, done (with a summary) or failed."""
         return self.requests.status(request_id)
 
+    @property
+    def rebalance_in_flight(self) -> bool:
+        """True while an asynchronous rebalance is planning or moving weights."""
+        return self._change is not None
+
     def step(self) -> RebalanceEvent | None:
         """Call after every forward: records this step's load; rebalances on schedule or
-        when a rank holds a request (all ranks agree at the same step)."""
+        when a rank holds a request (all ranks agree at the same step). In asynchronous
+        mode it also advances the rebalance in flight (at most one layer switches per
+        step) and returns its event on the step it completes.
+
+        Raises EplbFatalError when a peer died or stopped answering during a rebalance;
+        a synchronous rebalance that failed raises RebalanceError, an asynchronous one is
+        logged and reported to failure listeners and serving continues."""
+        if self.fatal_error is not None:
+            raise self.fatal_error
         self.recorder.record(self.expert_load_pass, self.physical_to_logical)
         self.steps += 1
         for hook in self._step_hooks:
             hook(self)
+        if self._change is not None:
+            return self._advance()
         interval, control = self.config.rebalance_interval, self.config.control_interval
-        requested = False
-        if control and self.steps % control == 0:
-            if self._control_group is None and self.world_size > 1:
-                self._control_group = control_group(self.group)
-            requested = agree(self.requests.has_pending(), self._control_group)
-        if requested:
-            ids = self.requests.start(self.steps)
-            try:
-                event = self.rebalance(trigger="request")
-            except Exception as e:
-                self.requests.finish(ids, error=f"{type(e).__name__}: {e}")
-                raise
-            self.requests.finish(ids, result=event.summary())
-            return event
+        if control and self.steps % control == 0 and agree(self.requests.has_pending(),
+                                                            self._control_group):
+            return self._start("request", self.requests.start(self.steps))
         if interval and self.steps % interval == 0:
-            return self.rebalance(trigger="interval")
+            return self._start("interval")
         return None
 
-    def rebalance(self, trigger: str = "api") -> RebalanceEvent:
-        """Plan on the recorded window and move weights now (collective over the group)."""
-        t0 = time.perf_counter()
+    def rebalance(self, trigger: str = "api") -> RebalanceEvent | None:
+        """Plan on the recorded window and move weights (collective over the group).
+        Synchronous mode: returns the event once every layer switched. Asynchronous mode:
+        finishes any rebalance in flight, starts this one and returns None; `step()`
+        completes it and the event reaches listeners and `events`."""
+        self.finish_rebalance()
+        return self._start(trigger)
+
+    def finish_rebalance(self) -> RebalanceEvent | None:
+        """Drive the rebalance in flight (if any) to its end now, on every rank (collective)."""
+        event = None
+        while self._change is not None:
+            event = self._advance(raise_failure=True)
+            if self._change is not None:
+                time.sleep(0.001)
+        return event
+
+    def _start(self, trigger: str, request_ids: list[int] | None = None) -> RebalanceEvent | None:
+        """Begin a rebalance planned on the recorded window (rank 0 plans, then broadcasts)."""
         logical, gpu = self.recorder.window_load(self.group, decay=self.config.load_decay)  # [L, N], [L, M]
-        load = logical.cpu().numpy().astype(np.float64)  # [L, N]
-        new = self._plan_on_rank0_and_broadcast(load)
-        before = balancedness_of_gpu_loads(gpu.cpu().numpy())  # [L]
-        seconds_plan = time.perf_counter() - t0
-        return self.apply_placement(new, trigger, before=before, load=load, seconds_plan=seconds_plan)
+        window_done = None
+        if self.device.type == "cuda" and self.config.async_rebalance:
+            window_done = torch.cuda.Event()
+            window_done.record(torch.cuda.current_stream(self.device))
+        info = {"request_ids": request_ids or []}
+
+        def plan_fn() -> Placement:
+            t0 = time.perf_counter()
+            if window_done is not None:
+                torch.cuda.current_stream(self.device).wait_event(window_done)
+            info["load"] = logical.cpu().numpy().astype(np.float64)  # [L, N]
+            info["before"] = balancedness_of_gpu_loads(gpu.cpu().numpy())  # [L]
+            new = self._plan_on_rank0_and_broadcast(info["load"])
+            info["seconds_plan"] = time.perf_counter() - t0
+            return new
+
+        return self._begin(plan_fn, trigger, info, self.config.async_rebalance)
 
     def _plan_on_rank0_and_broadcast(self, load: np.ndarray) -> Placement:
-        """Rank 0 plans, then one broadcast gives every rank the very same placement.
+        """Rank 0 plans, then one broadcast (CPU, the runtime's gloo plan group) gives every
+        rank the very same placement.
 
         Message (float64, exact for slot ids): physical_to_logical [L*P], shares [L*P],
         has-shares flag, status flag. The status flag makes a planning error fail every
         rank instead of leaving the others waiting.
         """
         L, P = self.placement.num_layers, self.placement.num_slots
-        msg = torch.zeros(2 * L * P + 2, dtype=torch.float64, device=self.device)  # [2LP + 2]
+        group = self._plan_group
+        msg = torch.zeros(2 * L * P + 2, dtype=torch.float64)  # [2LP + 2], CPU (gloo)
         error = None
         if self.rank == 0:
             try:
@@ -223,88 +281,186 @@ class EplbRuntime:
                     msg[L * P:2 * L * P].copy_(torch.from_numpy(planned.shares.ravel().copy()))
                     msg[-2] = 1
                 msg[-1] = 1
-            except ValueError as e:
+            except Exception as e:  # noqa: BLE001 - the status flag tells every rank
                 error = e
         if self.world_size > 1:
-            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            dist.broadcast(msg, src=src, group=self.group)
+            dist.broadcast(msg, src=dist.get_global_rank(group, 0), group=group)
         msg = msg.cpu().numpy()
         if error is not None:
             raise error
         if msg[-1] != 1:
-            raise RuntimeError("rebalance aborted: planning failed on rank 0 (see its log)")
+            raise RuntimeError("planning failed on rank 0 (see its log)")
         p2l = msg[:L * P].astype(np.int64).reshape(L, P)  # [L, P]
         shares = msg[L * P:2 * L * P].reshape(L, P) if msg[-2] == 1 else None  # [L, P]
         return self.placement.with_physical_to_logical(p2l, self.config.policy, shares)
 
-    def apply_placement(self, new: Placement, trigger: str = "api", *, before: np.ndarray | None = None,
-                        load: np.ndarray | None = None, seconds_plan: float = 0.0) -> RebalanceEvent:
-        """Move weights to `new` (same on every rank) and commit the maps in place."""
+    def apply_placement(self, new: Placement, trigger: str = "api", *, wait: bool = True,
+                        before: np.ndarray | None = None, load: np.ndarray | None = None,
+                        seconds_plan: float = 0.0) -> RebalanceEvent | None:
+        """Move weights to `new` (same on every rank) and switch the maps layer by layer,
+        after finishing any rebalance in flight. `wait=True`: now, returning the event;
+        raises RebalanceError if it stops part-way (every layer is then on its old or its
+        new placement on every rank). `wait=False`: in the background like an asynchronous
+        rebalance (returns None; `step()` completes it)."""
         old = self.placement
         if (new.num_layers, new.num_slots, new.num_logical_experts, new.num_gpus) != (
                 old.num_layers, old.num_slots, old.num_logical_experts, old.num_gpus):
             raise ValueError(f"placement {new} does not fit the running model {old}")
-        t1 = time.perf_counter()
-        new_maps = self._maps_of(new)
-        done: list[int] = []
+        self.finish_rebalance()
+        info = {"request_ids": [], "before": before, "load": load, "seconds_plan": seconds_plan}
+        return self._begin(lambda: new, trigger, info, asynchronous=not wait)
 
-        def commit_layer(layer: int) -> None:
-            """Weights of `layer` are final: switch its maps with them (same stream)."""
-            for dst, src in zip((self.physical_to_logical, self.logical_to_physical_map,
-                                 self.logical_replica_count, self.logical_replica_cdf), new_maps):
-                dst[layer].copy_(src[layer])
-            done.append(layer)
+    def close(self, timeout: float | None = None) -> None:
+        """Stop background work before the process exits: abandon a rebalance in flight
+        (layers that switched stay switched) and wait up to `timeout` seconds (default
+        `transfer_timeout`) for transfer threads, which may sit in a transfer until their
+        group's timeout after an aborted rebalance. Idempotent; also run at exit."""
+        if self._change is not None:
+            self._change.abandon()
+            self._stale.append(self._change)
+            self._change = None
+        deadline = time.monotonic() + (self.config.transfer_timeout if timeout is None else timeout)
+        for change in self._stale:
+            change.join(max(0.0, deadline - time.monotonic()))
+        self._stale = [c for c in self._stale if c.thread_alive]
+        close_transport = getattr(self.transport, "close", None)
+        if close_transport is not None:  # IPC: drop the mappings of the peers' tensors
+            close_transport()
+        if self._stale:
+            log.warning("eplb: %d rebalance thread(s) still waiting in a transfer at close",
+                        len(self._stale))
 
+    # ---- one placement change: begin, advance, end ------------------------------
+    def _begin(self, plan_fn: Callable[[], Placement], trigger: str, info: dict,
+               asynchronous: bool) -> RebalanceEvent | None:
+        # an aborted change's thread may still wait in its old group until that group's
+        # timeout; it only reads weights and writes its own staging, so it is left to end
+        self._stale = [c for c in self._stale if c.thread_alive]
+        change = PlacementChange(
+            self.placement, plan_fn, self.expert_weights, self._maps, self._maps_of,
+            rank=self.rank, num_ranks=self.world_size, num_nodes=self.config.num_nodes,
+            transfer_group=self._transfer_group, control_group=self._control_group,
+            plan_group=self._plan_group,
+            verify=self.config.verify_transfers, timeout=self.config.transfer_timeout,
+            device=self.device, transport=self.transport)
+        self._change, self._change_info = change, dict(info, trigger=trigger)
+        if asynchronous:
+            change.start()
+            return None
         try:
-            self.executor.execute(old.physical_to_logical, new.physical_to_logical,
-                                  self.expert_weights, self.group, on_layer_done=commit_layer)
-        except Exception as e:
-            # every layer is wholly old or wholly new, with maps matching its weights
+            change.run()
+        except RebalanceError as e:
+            raise self._failed(e) from e
+        return self._finished()
+
+    def _advance(self, raise_failure: bool = False) -> RebalanceEvent | None:
+        """One step boundary of the asynchronous rebalance in flight."""
+        try:
+            done = self._change.advance()
+        except RebalanceError as e:
+            error = self._failed(e)
+            if raise_failure or isinstance(error, EplbFatalError):
+                raise error from e
+            return None
+        return self._finished() if done else None
+
+    def _new_transfer_group(self) -> dist.ProcessGroup:
+        """A group for weight transfers on the EP group's backend, with the config's
+        timeout. Warmed up here, on the step loop's thread, with the kernels the transfer
+        thread will launch (an all-reduce, then one ring of point-to-point messages): NCCL
+        needs a collective before its first partial point-to-point batch, and a kernel
+        loaded lazily for the first time in the background while the model's NCCL kernels
+        spin can stall both. Collective over the EP group."""
+        backend = dist.get_backend(self.group)
+        group = new_group_like(self.group, backend, self.config.transfer_timeout)
+        device = self.device if backend == "nccl" else torch.device("cpu")
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+        M, r = self.world_size, self.rank
+        out, into = torch.zeros(1, device=device), torch.zeros(1, device=device)
+        ops = [dist.P2POp(dist.isend, out, dist.get_global_rank(group, (r + 1) % M), group),
+               dist.P2POp(dist.irecv, into, dist.get_global_rank(group, (r - 1) % M), group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        return group
+
+    @property
+    def _maps(self) -> tuple[torch.Tensor, ...]:
+        """The shared map tensors, rewritten in place layer by layer."""
+        return (self.physical_to_logical, self.logical_to_physical_map,
+                self.logical_replica_count, self.logical_replica_cdf)
+
+    def _failed(self, error: RebalanceError) -> RebalanceError:
+        """Record a stopped change: keep the layers that switched, report the failure, and
+        return the error for the caller (EplbFatalError when the group is unusable)."""
+        change, info = self._change, self._change_info
+        self._change = None
+        old = self.placement
+        done = change.switched_layers
+        if done:
             mixed = old.physical_to_logical.copy()  # [L, P]
-            mixed[done] = new.physical_to_logical[done]
+            mixed[done] = change.new.physical_to_logical[done]
             shares = None
-            if old.shares is not None or new.shares is not None:
+            if old.shares is not None or change.new.shares is not None:
                 shares = old.slot_shares().copy()  # [L, P]
-                shares[done] = new.slot_shares()[done]
+                shares[done] = change.new.slot_shares()[done]
             self.placement = old.with_physical_to_logical(mixed, old.policy, shares)
             self.recorder.on_placement_change()
-            if isinstance(e, TransferVerificationError):
-                # the layer's weights were already rewritten (one slot wrong) under its old maps
-                raise RebalanceError(
-                    f"rebalance failed after {len(done)} of {old.num_layers} layers ({e}); "
-                    f"layers before {e.layer} are on the new placement, later ones on the old; "
-                    f"layer {e.layer} keeps its old maps but its weights were rewritten and are "
-                    f"NOT consistent: reload them before serving") from e
-            raise RebalanceError(
-                f"rebalance failed after {len(done)} of {old.num_layers} layers "
-                f"({type(e).__name__}: {e}); every layer is on its old or its new placement "
-                f"and serving can continue") from e
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        t2 = time.perf_counter()
+        fatal = isinstance(error, EplbFatalError)
+        stage = ("while planning" if change.layers is None else
+                 f"after {len(done)} of {len(change.layers)} changed layers")
+        where = (f"rebalance ({info['trigger']}) failed {stage} ({error}); every layer is on "
+                 f"its old or its new placement with maps matching weights")
+        if fatal:
+            out = self.fatal_error = EplbFatalError(where + "; the process group is unusable: "
+                                                    "stop this job")
+        else:
+            out = RebalanceError(where + "; serving can continue")
+            if change.thread_alive:
+                self._stale.append(change)
+            if self.world_size > 1:  # ops of the aborted change may still be pending: fresh groups
+                self._transfer_group = self._new_transfer_group()
+                self._plan_group = control_group(self.group, self.config.transfer_timeout)
+        log.error("%s (step %d)", out, self.steps)
+        self.requests.finish(info["request_ids"], error=f"{type(out).__name__}: {out}")
+        for fn in self._failure_listeners:
+            fn(info["trigger"], out)
+        return out
+
+    def _finished(self) -> RebalanceEvent:
+        """The change in flight completed on every rank: adopt it, report it."""
+        change, info = self._change, self._change_info
+        self._change = None
+        old, new = self.placement, change.new
         self.placement = new
         if not self.replica_weights_supported and _has_uneven_shares(new):
             self._warn_even_split(type(self.model).__name__)
         self.recorder.on_placement_change()
-        seconds_commit = time.perf_counter() - t2
         stats = transfer_stats(old.physical_to_logical, new.physical_to_logical, self.world_size)
+        load = info.get("load")
         if load is None:
             load = np.ones((old.num_layers, old.num_logical_experts))
+        before = info.get("before")
+        seconds_plan = info.get("seconds_plan") or 0.0
         event = RebalanceEvent(
-            step=self.steps, trigger=trigger,
+            step=self.steps, trigger=info["trigger"],
             balancedness_before=before if before is not None else self._realised(old).balancedness(load),
             balancedness_after=self._realised(new).balancedness(load),
             experts_moved=stats.experts_moved, local_copies=stats.local_copies,
             slots_changed=stats.slots_changed, bytes_moved=stats.experts_moved * self.bytes_per_expert,
-            seconds_plan=seconds_plan, seconds_transfer=t2 - t1, seconds_commit=seconds_commit,
-            placement=new,
+            seconds_plan=seconds_plan,
+            seconds_transfer=max(0.0, change.t_end - change.t_start - change.seconds_plan),
+            seconds_commit=change.seconds_switch, placement=new, steps_in_flight=change.steps,
         )
         self.events.append(event)
         if self.rank == 0:
             log.info("rebalance at step %d (%s): balancedness %.4f -> %.4f, %d experts moved "
-                     "(%.1f MB) in %.3f s", event.step, trigger, event.balancedness_before.mean(),
-                     event.balancedness_after.mean(), event.experts_moved, event.bytes_moved / 1e6,
-                     event.seconds)
+                     "(%.1f MB) in %.3f s%s", event.step, event.trigger,
+                     event.balancedness_before.mean(), event.balancedness_after.mean(),
+                     event.experts_moved, event.bytes_moved / 1e6, event.seconds,
+                     f" over {event.steps_in_flight} steps" if event.steps_in_flight else "")
+        self.requests.finish(info["request_ids"], result=event.summary())
         for fn in self._listeners:
             fn(event)
         return event

@@ -17,7 +17,7 @@ from _dist import device_for, run_distributed
 from eplb.config import EplbConfig
 from eplb.metrics import EplbMetrics
 from eplb.placement import Placement, balancedness_of_gpu_loads
-from eplb.runtime import EplbRuntime
+from eplb.runtime import EplbRuntime, RebalanceError
 
 L, N, R = 2, 8, 4  # layers, logical experts, redundant slots: P = 12
 
@@ -74,11 +74,17 @@ def exposed(metrics: EplbMetrics) -> tuple[dict, dict]:
     return types, samples
 
 
-class Boom:
-    """A transfer executor that fails (a lost peer, an OOM while staging, ...)."""
+def break_rebalances(monkeypatch) -> None:
+    """From now on (undone by `monkeypatch`) every rebalance fails: planning and every
+    layer's exchange raise "transfer failed" (a lost peer, an OOM while staging, ...)."""
+    import eplb.runtime
+    import eplb.transfer
 
-    def execute(self, *args, **kwargs):
+    def boom(*args, **kwargs):
         raise RuntimeError("transfer failed")
+
+    monkeypatch.setattr(eplb.transfer, "exchange_layer", boom)
+    monkeypatch.setattr(eplb.runtime, "plan", boom)
 
 
 def test_names_types_and_labels_exactly():
@@ -142,22 +148,21 @@ def test_single_process_gauges_counters_and_failures():
     assert v("eplb_gpu_load_tokens", gpu="0") == pytest.approx(per_step * (1 + 7) / 2)
 
     # failures: an exception out of rebalance() counts once, under its trigger
-    good = rt.executor
-    rt.executor = Boom()
-    with pytest.raises(RuntimeError, match="transfer failed"):
-        rt.rebalance()
-    assert v("eplb_rebalances_total", trigger="api", outcome="failure") == 1
-    assert v("eplb_rebalances_total", trigger="api", outcome="success") == 1
-    rid = rt.request_rebalance("http")  # served (and failing) inside step() at step 8
-    step_with(rt, skewed_pass())
-    with pytest.raises(RuntimeError, match="transfer failed"):
+    with pytest.MonkeyPatch.context() as mp:
+        break_rebalances(mp)
+        with pytest.raises(RebalanceError, match="transfer failed"):
+            rt.rebalance()
+        assert v("eplb_rebalances_total", trigger="api", outcome="failure") == 1
+        assert v("eplb_rebalances_total", trigger="api", outcome="success") == 1
+        rid = rt.request_rebalance("http")  # served (and failing) inside step() at step 8
         step_with(rt, skewed_pass())
-    assert rt.rebalance_status(rid)["state"] == "failed"
-    assert v("eplb_rebalances_total", trigger="request", outcome="failure") == 1
-    with pytest.raises(RuntimeError):
-        rt.apply_placement(Placement.initial(L, N, N + R, 1), trigger="api")
-    assert v("eplb_rebalances_total", trigger="api", outcome="failure") == 2
-    rt.executor = good
+        with pytest.raises(RebalanceError, match="transfer failed"):
+            step_with(rt, skewed_pass())
+        assert rt.rebalance_status(rid)["state"] == "failed"
+        assert v("eplb_rebalances_total", trigger="request", outcome="failure") == 1
+        with pytest.raises(RebalanceError):
+            rt.apply_placement(Placement.initial(L, N, N + R, 1), trigger="api")
+        assert v("eplb_rebalances_total", trigger="api", outcome="failure") == 2
     rid = rt.request_rebalance("http")
     step_with(rt, skewed_pass())
     assert step_with(rt, skewed_pass()) is not None
@@ -265,10 +270,10 @@ def _two_rank_body(rank, world):
         assert m.value("eplb_balancedness_overall_ratio") == pytest.approx(
             balancedness_of_gpu_loads(gpu).mean())
         assert m.value("eplb_gpu_load_tokens", gpu="1") == pytest.approx(gpu[:, 1].sum() / 4)
-    good, rt.executor = rt.executor, Boom()
-    with pytest.raises(RuntimeError, match="transfer failed"):
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(
+            RebalanceError, match="transfer failed|planning failed on rank 0"):
+        break_rebalances(mp)
         rt.rebalance()
-    rt.executor = good
     assert m.value("eplb_rebalances_total", trigger="api", outcome="failure") == 1
     assert m.value("eplb_rebalances_total", trigger="interval", outcome="success") == 2
     assert m.value("eplb_steps_total") == 8

@@ -227,21 +227,21 @@ def _failing_transfer_body(rank, world):
     old = runtime.placement
     rng = np.random.default_rng(11)  # same on every rank
     target = np.stack([rng.permutation(np.arange(old.num_slots) % args.num_experts) for _ in range(4)])
-    real = eplb.transfer.execute_layer_transfer
+    real = eplb.transfer.exchange_layer
     calls = []
 
-    def flaky(plan, weights, group=None, staging=None):
+    def flaky(plan, weights, group, staging, **kw):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected transfer failure")
-        return real(plan, weights, group, staging)
+        return real(plan, weights, group, staging, **kw)
 
-    eplb.transfer.execute_layer_transfer = flaky
+    eplb.transfer.exchange_layer = flaky
     try:
-        with pytest.raises(RebalanceError, match="after 2 of 4 layers"):
+        with pytest.raises(RebalanceError, match="after 2 of 4 changed layers.*injected transfer failure"):
             runtime.apply_placement(old.with_physical_to_logical(target, "test"))
     finally:
-        eplb.transfer.execute_layer_transfer = real
+        eplb.transfer.exchange_layer = real
     p2l = runtime.placement.physical_to_logical
     assert np.array_equal(p2l[:2], target[:2]) and np.array_equal(p2l[2:], old.physical_to_logical[2:])
     _check_slots(args, runtime, device)

@@ -200,10 +200,12 @@ def test_corruption_is_detected_on_every_rank(world):
 
 
 def _runtime_corrupt_body(rank: int, world: int) -> None:
-    """Through EplbRuntime with verify_transfers: RebalanceError on every rank, layers
-    before the corrupted one committed (maps and weights), later layers untouched."""
+    """Through EplbRuntime with verify_transfers: an expert corrupted on its way into
+    staging (third changed layer, rank 0 only) makes the rebalance fail on every rank
+    before that layer is written; layers before it are new, it and later layers old, maps
+    matching weights in every layer, and the model keeps serving."""
     import eplb.transfer
-    from moe import MoEModel
+    from moe import DenseMoEModel, MoEModel, sample_tokens
 
     from eplb.config import EplbConfig
     from eplb.runtime import EplbRuntime, RebalanceError
@@ -214,36 +216,31 @@ def _runtime_corrupt_body(rank: int, world: int) -> None:
     model = MoEModel(args, group=dist.group.WORLD, device=device)
     runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=world, rebalance_interval=0,
                                             verify_transfers=True))
-    assert runtime.executor.verify
     old = runtime.placement
     rng = np.random.default_rng(11)
     target = np.stack([rng.permutation(np.arange(old.num_slots) % args.num_experts) for _ in range(4)])
-    real = eplb.transfer.execute_layer_transfer
+    real = eplb.transfer.exchange_layer
     calls = []
 
-    def corrupting(plan, ws, group=None, staging=None):
-        got = real(plan, ws, group, staging)
+    def corrupting(plan, ws, group, staging, **kw):
+        got = real(plan, ws, group, staging, **kw)
         calls.append(1)
-        if len(calls) == 3 and rank == 0 and plan.num_slots_written:
-            ws[0][int(plan.write_dst[0])].view(-1)[0] += 1
+        if len(calls) == 3 and rank == 0:
+            assert plan.num_staged > 0
+            staging[0][0].view(-1)[0] += 1
         return got
 
-    eplb.transfer.execute_layer_transfer = corrupting
+    eplb.transfer.exchange_layer = corrupting
     try:
-        with pytest.raises(RebalanceError, match="after 2 of 4 layers.*layer 2 keeps its old maps"):
+        with pytest.raises(RebalanceError, match="after 2 of 4 changed layers.*(TransferVerificationError|rank 0 failed)"):
             runtime.apply_placement(old.with_physical_to_logical(target, "test"))
     finally:
-        eplb.transfer.execute_layer_transfer = real
+        eplb.transfer.exchange_layer = real
     p2l = runtime.placement.physical_to_logical
     assert np.array_equal(p2l[:2], target[:2]) and np.array_equal(p2l[2:], old.physical_to_logical[2:])
-    assert torch.equal(runtime.physical_to_logical.cpu(), torch.from_numpy(p2l.copy()))
-    # layers 0-1 (committed) and 3 (not started) hold exactly the experts their maps name
-    sub = type("R", (), {})()
-    sub.model, sub.rank = runtime.model, runtime.rank
-    sub.placement = runtime.placement
-    sub.physical_to_logical = runtime.physical_to_logical
-    sub.expert_weights = [w if i != 2 else [] for i, w in enumerate(runtime.expert_weights)]
-    _check_slots(args, sub, device)
+    _check_slots(args, runtime, device)  # every layer, the failed one too, matches its maps
+    x = sample_tokens(args, 32, seed=rank, device=device)
+    torch.testing.assert_close(model(x), DenseMoEModel(args, device=device)(x), rtol=1e-5, atol=1e-5)
     dist.barrier()
 
 

@@ -1,0 +1,342 @@
+"""PlacementChange: one move from the running placement to a new one, layer by layer.
+
+Every changed layer goes through three stages:
+
+1. **exchange** (`transfer.exchange_layer`): stage local sources and receive remote
+   experts into a staging buffer. It only *reads* the expert weights, so it can run while
+   the model serves: in a background thread, on a side CUDA stream, over its own process
+   group. With `verify`, the staged experts are checked against their pre-transfer
+   checksums here, before anything is written;
+2. **agree**: at a step boundary all ranks all-reduce (on a CPU/gloo group) how many
+   layers they have staged and whether anything failed;
+3. **switch**: when every rank has the layer staged, each rank writes its changed slots
+   from staging (`transfer.write_layer`) and copies the layer's rows of the new maps, on
+   the caller's stream. Weights and maps of a layer therefore switch together, at the same
+   step on every rank, and every forward sees each layer wholly old or wholly new.
+
+Synchronous use: `run()` drives the three stages to the end before returning.
+Asynchronous use: `start()` runs planning and exchanges in a thread; the step loop calls
+`advance()` once per step (agree, then switch at most one layer).
+
+Failures. A failure that every rank learns through the agreement (planning error, a
+transfer error or verification failure on any rank, no progress for `timeout` seconds)
+aborts the change on all ranks at the same layer: `RebalanceError`, and layers before it
+are new, later ones old, maps matching weights everywhere; serving continues. When the
+agreement itself fails (a peer died or stopped answering; the gloo group times out after
+`timeout`), the group is no longer usable: `EplbFatalError`.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from eplb import transfer as _transfer
+from eplb.control import agree_min
+from eplb.placement import Placement
+from eplb.transfer import (LayerTransferPlan, TransferVerificationError, allocate_staging,
+                           plan_layer_transfer, slot_checksums)
+
+log = logging.getLogger("eplb.placement_change")
+
+
+class RebalanceError(RuntimeError):
+    """A rebalance stopped part-way on every rank at the same layer; every layer is on its
+    old or its new placement with maps matching weights, and serving can continue."""
+
+
+class EplbFatalError(RebalanceError):
+    """A peer died or stopped answering during a rebalance (or a local write failed): the
+    process group can no longer be trusted. Layers are still wholly old or new on this
+    rank, but the job should exit and restart."""
+
+
+class PlacementChange:
+    """Moves expert weights and maps from `old` to the placement `plan_fn()` returns.
+
+    `plan_fn()`: returns the new Placement, identical on every rank (it may run
+    collectives on `transfer_group`, e.g. rank 0 plans and broadcasts); runs in the
+    background thread in asynchronous mode.
+    `weights`: per layer the local expert tensors `[S, ...]`, written in place only.
+    `maps`: the runtime's map tensors, each `[L, ...]`; `maps_of(placement)` gives CPU
+    tensors of the same shapes; a layer's rows are copied when the layer switches.
+    `on_layer(layer)`: called right after a layer switched (on the caller's thread).
+    `timeout`: seconds without any layer switching after which this rank counts the change
+    as failed (the agreement then aborts it everywhere).
+    Groups: `transfer_group` carries the weights (EP backend), `control_group` (gloo) the
+    step loop's agreements, `plan_group` (gloo) the thread's small CPU collectives.
+    """
+
+    def __init__(self, old: Placement, plan_fn: Callable[[], Placement],
+                 weights: Sequence[Sequence[torch.Tensor]], maps: Sequence[torch.Tensor],
+                 maps_of: Callable[[Placement], Sequence[torch.Tensor]], *, rank: int,
+                 num_ranks: int, num_nodes: int, transfer_group, control_group, plan_group=None,
+                 verify: bool = False, timeout: float = 300.0, device: torch.device | None = None,
+                 transport=None, on_layer: Callable[[int], None] | None = None) -> None:
+        self.old = old
+        self.plan_fn = plan_fn
+        self.weights = [list(w) for w in weights]
+        self.maps = list(maps)
+        self.maps_of = maps_of
+        self.rank, self.num_ranks, self.num_nodes = rank, num_ranks, num_nodes
+        self.transfer_group, self.control_group = transfer_group, control_group
+        self.plan_group = plan_group  # gloo: the thread's CPU collectives (checksum gathers)
+        self.verify, self.timeout = verify, timeout
+        self.device = device if device is not None else torch.device("cpu")
+        self.cuda = self.device.type == "cuda"
+        self.transport = transport  # for transfer.exchange_layer (None: point-to-point)
+        self.on_layer = on_layer
+        # everything already queued on the caller's stream (earlier writes of expert
+        # weights among it) comes before this change reads a weight on another stream
+        self._start_event = None
+        if self.cuda:
+            self._start_event = torch.cuda.Event()
+            self._start_event.record(torch.cuda.current_stream(self.device))
+
+        self.new: Placement | None = None
+        self.layers: list[int] | None = None  # changed layers, in order (same on every rank)
+        self.ready = -1  # -1 until planned, then layers staged so far
+        self.committed = 0  # layers switched so far
+        self.error: BaseException | None = None  # this rank's failure, if any
+        self.aborted = False
+        self.bytes_received = 0
+        self.steps = 0  # advance() calls (step boundaries) the change took
+        self.seconds_plan = 0.0
+        self.seconds_switch = 0.0  # time spent switching layers on the caller's thread
+        self.t_start = time.perf_counter()
+        self.t_end: float | None = None
+
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._last_progress = time.monotonic()
+        self._plans: list[LayerTransferPlan | None] = []
+        self._staging: list[torch.Tensor] | None = None
+        self._new_maps: list[torch.Tensor] = []
+        self._ready_events: list = []
+        self._write_events: list = []
+
+    # ---- state -------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        """Every changed layer switched (same verdict on every rank)."""
+        return self.layers is not None and self.committed == len(self.layers)
+
+    @property
+    def switched_layers(self) -> list[int]:
+        return [] if self.layers is None else self.layers[:self.committed]
+
+    @property
+    def thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- driving -----------------------------------------------------------------
+    def run(self) -> None:
+        """Synchronous: plan, then exchange, agree and switch every layer, on this thread."""
+        stages = self._stages()
+        while not self.finished:
+            if self.error is None:
+                try:
+                    next(stages)
+                except StopIteration:
+                    pass
+                except Exception as e:  # noqa: BLE001 - every failure goes through the agreement
+                    self._fail(e)
+            self.advance()
+        stages.close()
+
+    def start(self) -> None:
+        """Asynchronous: plan and exchange in a daemon thread; call `advance()` every step."""
+        self._thread = threading.Thread(target=self._background, name="eplb-rebalance", daemon=True)
+        self._thread.start()
+
+    def _background(self) -> None:
+        try:
+            if self.cuda:
+                torch.cuda.set_device(self.device)
+                ctx = torch.cuda.stream(torch.cuda.Stream(self.device))
+            else:
+                ctx = contextlib.nullcontext()
+            with ctx:
+                for _ in self._stages():
+                    pass
+        except BaseException as e:  # noqa: BLE001 - reported through the agreement
+            self._fail(e)
+
+    def advance(self) -> bool:
+        """One step boundary: agree with every rank, then switch the next layer if every
+        rank has it staged. Returns `finished`. Raises RebalanceError when any rank failed
+        (the change is aborted everywhere at the same layer), EplbFatalError when the
+        agreement itself fails."""
+        self.steps += 1
+        with self._cv:
+            ready, ok = self.ready, self.error is None
+        if ok and time.monotonic() - self._last_progress > self.timeout:
+            self._fail(TimeoutError(f"no layer switched for {self.timeout:g} s (transfer_timeout)"))
+            ok = False
+        try:  # [layers staged, ok, first failed rank] over all ranks
+            min_ready, all_ok, failed_rank = agree_min(
+                [ready, int(ok), self.num_ranks if ok else self.rank], self.control_group)
+        except Exception as e:  # noqa: BLE001
+            self._stop_thread()
+            raise EplbFatalError(
+                f"rebalance lost contact with its peers after {self.committed} switched layers "
+                f"({type(e).__name__}: {e}); a rank died or stopped answering") from e
+        if not all_ok:
+            self._stop_thread()
+            self.aborted = True
+            self.t_end = time.perf_counter()
+            why = (f"{type(self.error).__name__}: {self.error}" if self.error is not None
+                   else f"rank {failed_rank} failed, see its log")
+            raise RebalanceError(why) from self.error
+        if min_ready > self.committed:
+            self._switch_next()
+        if self.finished and self.t_end is None:
+            self.t_end = time.perf_counter()
+        return self.finished
+
+    def _fail(self, e: BaseException) -> None:
+        with self._cv:
+            if self.error is None:
+                self.error = e
+            self._cv.notify_all()
+
+    def _stop_thread(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+
+    def abandon(self) -> None:
+        """Let the background thread stop at its next layer (shutdown); nothing is undone."""
+        self._stop_thread()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the background thread (after an abort it may still sit in a transfer
+        until the group's timeout); True when it is gone."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return not self.thread_alive
+
+    # ---- the stages ----------------------------------------------------------------
+    def _stages(self):
+        """Generator: plan (yield), then per changed layer exchange into staging (yield).
+        Before each exchange it waits until the previous layer switched (one staging
+        buffer: at most one layer of local experts of extra memory)."""
+        t0 = time.perf_counter()
+        if self._start_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._start_event)
+        new = self.plan_fn()
+        old_p2l, new_p2l = self.old.physical_to_logical, new.physical_to_logical  # [L, P]
+        # changed layers: other experts in some slot, or only other replica shares (maps only)
+        maps_new, maps_old = self.maps_of(new), self.maps_of(self.old)  # CPU, [L, ...] each
+        layers = [l for l in range(old_p2l.shape[0])
+                  if not all(torch.equal(a[l], b[l]) for a, b in zip(maps_new, maps_old))]
+        new_maps = [t.to(self.device) for t in maps_new] if layers else []
+        self.seconds_plan = time.perf_counter() - t0
+        with self._cv:
+            self.new, self.layers, self._new_maps = new, layers, new_maps
+            n = len(layers)
+            self._plans, self._ready_events, self._write_events = [None] * n, [None] * n, [None] * n
+            self.ready = 0
+        yield
+        for i, layer in enumerate(layers):
+            with self._cv:
+                while self.committed < i and not self._stop:
+                    self._cv.wait(0.05)
+                if self._stop:
+                    return
+            if self.cuda and i > 0:  # staging is free once the previous layer's write ran
+                torch.cuda.current_stream(self.device).wait_event(self._write_events[i - 1])
+            weights = self.weights[layer]
+            plan = plan_layer_transfer(old_p2l[layer], new_p2l[layer], self.num_ranks, self.rank,
+                                       self.num_nodes)
+            if self._staging is None:
+                self._staging = allocate_staging(weights)
+            old_sums = self._gather_checksums(weights) if self.verify else None  # [P]
+            self.bytes_received += _transfer.exchange_layer(plan, weights, self.transfer_group,
+                                                            self._staging, transport=self.transport)
+            if old_sums is not None:
+                self._check_staging(layer, plan, old_sums)
+            event = None
+            if self.cuda:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+                event.synchronize()  # the host learns the layer is staged (this thread only)
+            with self._cv:
+                self._plans[i], self._ready_events[i] = plan, event
+                self.ready = i + 1
+            yield
+
+    def _switch_next(self) -> None:
+        """Write the next staged layer into the weights and switch its maps, on the
+        caller's stream. A failure here leaves this rank inconsistent: fatal."""
+        t0 = time.perf_counter()
+        i = self.committed
+        layer = self.layers[i]
+        try:
+            if self.cuda:
+                stream = torch.cuda.current_stream(self.device)
+                stream.wait_event(self._ready_events[i])
+                # staging and the new maps come from the thread's stream: keep their memory
+                # from being reused before this stream has read them
+                for t in (*self._staging, *self._new_maps):
+                    t.record_stream(stream)
+            _transfer.write_layer(self._plans[i], self.weights[layer], self._staging)
+            for dst, src in zip(self.maps, self._new_maps):
+                dst[layer].copy_(src[layer])
+            if self.cuda:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+                self._write_events[i] = event
+        except Exception as e:  # noqa: BLE001
+            self._stop_thread()
+            raise EplbFatalError(f"writing layer {layer} failed ({type(e).__name__}: {e}); its "
+                                 "weights are partly rewritten: reload the model") from e
+        with self._cv:
+            self.committed = i + 1
+            self._plans[i] = None
+            if self.finished:
+                self._staging = None  # free the staging buffer
+            self._cv.notify_all()
+        self._last_progress = time.monotonic()
+        self.seconds_switch += time.perf_counter() - t0
+        if self.on_layer is not None:
+            self.on_layer(layer)
+
+    # ---- verification (before anything is written) ---------------------------------
+    def _gather_checksums(self, weights: Sequence[torch.Tensor]) -> np.ndarray:
+        """`[P]` pre-transfer checksums of every slot of the layer, on every rank."""
+        mine = slot_checksums(weights).cpu()  # [S]
+        if self.num_ranks > 1:  # on the gloo plan group: no NCCL kernel from this thread
+            parts = [torch.empty_like(mine) for _ in range(self.num_ranks)]
+            dist.all_gather(parts, mine, group=self.plan_group)
+            mine = torch.cat(parts)  # [P]
+        return mine.numpy()
+
+    def _check_staging(self, layer: int, plan: LayerTransferPlan, old_sums: np.ndarray) -> None:
+        """Every staged row must carry the checksum its expert had in its first old slot."""
+        K = plan.num_staged
+        if K == 0:
+            return
+        got = slot_checksums([b[:K] for b in self._staging]).cpu().numpy()  # [K]
+        old_row = self.old.physical_to_logical[layer]  # [P]
+        first = {}
+        for p, e in enumerate(old_row.tolist()):
+            first.setdefault(e, p)
+        want = old_sums[[first[int(e)] for e in plan.stage_expert]]  # [K]
+        bad_rows = np.flatnonzero(got != want)
+        if bad_rows.size:
+            S = plan.slots_per_rank
+            from_bad = plan.write_from_stage & np.isin(plan.write_src, bad_rows)
+            bad_slots = (plan.write_dst[from_bad] + self.rank * S).tolist()
+            raise TransferVerificationError(
+                layer, bad_slots,
+                f"transfer verification failed on layer {layer}, rank {self.rank}: experts "
+                f"{plan.stage_expert[bad_rows].tolist()} arrived with the wrong checksum "
+                f"(nothing of the layer was written)")

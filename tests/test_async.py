@@ -1,0 +1,188 @@
+"""Asynchronous rebalance on real gloo ranks: planning and transfers run in a background
+thread while the step loop serves. Every forward equals the dense reference, every layer's
+weights match its committed maps at every step (a layer switches weights and maps together
+at a step boundary that all ranks agree on), and failures abort consistently."""
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import device_for, run_distributed
+from eplb.config import EplbConfig
+from eplb.runtime import EplbRuntime
+from test_runtime import _args, _skewed_bias
+
+
+def check_committed(args, runtime, device) -> None:
+    """Every local slot holds bitwise the expert that the committed map
+    `runtime.physical_to_logical` names (mid-rebalance too)."""
+    from moe import expert_weights_for
+
+    S = runtime.model.num_local_physical_experts
+    p2l = runtime.physical_to_logical.cpu().numpy()  # [L, P]
+    for layer, weights in enumerate(runtime.expert_weights):
+        for s in range(S):
+            want = expert_weights_for(args, layer, int(p2l[layer, runtime.rank * S + s]), device)
+            for w, v in zip(weights, want):
+                assert torch.equal(w[s], v), f"layer {layer} slot {s} does not match its map"
+
+
+def _serving_body(rank, world):
+    from moe import DenseMoEModel, MoEModel, sample_tokens
+
+    device = device_for(rank)
+    args = _args(num_layers=4, num_redundant_experts=world)
+    model = MoEModel(args, group=dist.group.WORLD, device=device)
+    runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=world, window_size=4,
+                                            rebalance_interval=6, move_tolerance=0.0,
+                                            async_rebalance=True))
+    reference = DenseMoEModel(args, device=device)
+    L, N = args.num_layers, args.num_experts
+    ptrs = [w.data_ptr() for ws in runtime.expert_weights for w in ws]
+    events, flight_steps, switched_mid_flight = [], 0, 0
+    for step in range(48):
+        bias = _skewed_bias(step, L, N).to(device)
+        model.set_routing_bias(bias)
+        reference.set_routing_bias(bias)
+        x = sample_tokens(args, 48, seed=1000 * step + rank, device=device)
+        torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
+        check_committed(args, runtime, device)
+        committed_before = runtime.physical_to_logical.clone()
+        event = runtime.step()
+        if runtime.rebalance_in_flight:
+            flight_steps += 1
+            changed = (runtime.physical_to_logical != committed_before).any(1).sum().item()
+            assert changed <= 1, "at most one layer switches per step"
+            switched_mid_flight += changed
+        if event is not None:
+            events.append(event)
+            assert event.steps_in_flight >= 1
+            assert np.array_equal(runtime.placement.physical_to_logical,
+                                  runtime.physical_to_logical.cpu().numpy())
+    last = runtime.finish_rebalance()
+    events += [last] if last is not None else []
+    check_committed(args, runtime, device)
+    assert len(events) >= 3 and flight_steps > 0
+    assert switched_mid_flight > 0, "no layer switched while the rebalance was in flight"
+    assert sum(e.slots_changed for e in events) > 0
+    assert [w.data_ptr() for ws in runtime.expert_weights for w in ws] == ptrs
+    p2l = runtime.physical_to_logical.clone()
+    gathered = [torch.empty_like(p2l) for _ in range(world)]
+    dist.all_gather(gathered, p2l)
+    assert all(torch.equal(g, p2l) for g in gathered)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_async_rebalance_serves_correctly_at_every_step(world):
+    run_distributed(_serving_body, world)
+
+
+def _explicit_body(rank, world):
+    from moe import MoEModel, sample_tokens
+
+    device = device_for(rank)
+    args = _args(num_layers=3, num_redundant_experts=world)
+    model = MoEModel(args, group=dist.group.WORLD, device=device)
+    runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=world, rebalance_interval=0,
+                                            move_tolerance=0.0, control_interval=1,
+                                            async_rebalance=True))
+    seen = []
+    runtime.add_listener(seen.append)
+    model.set_routing_bias(_skewed_bias(0, args.num_layers, args.num_experts).to(device))
+    model(sample_tokens(args, 64, seed=rank, device=device))
+    runtime.step()
+    assert runtime.rebalance() is None and runtime.rebalance_in_flight
+    event = runtime.finish_rebalance()
+    assert event is not None and seen == [event] and not runtime.rebalance_in_flight
+    check_committed(args, runtime, device)
+    # a request (HTTP path) is served asynchronously and reported when it completes
+    rid = runtime.request_rebalance("http") if rank == 0 else None
+    states = []
+    for _ in range(40):
+        model(sample_tokens(args, 64, seed=rank, device=device))
+        runtime.step()
+        if rank == 0:
+            states.append(runtime.rebalance_status(rid)["state"])
+        if not runtime.rebalance_in_flight and len(seen) == 2:
+            break
+    assert len(seen) == 2 and seen[1].trigger == "request"
+    if rank == 0:
+        assert "running" in states and states[-1] == "done"
+
+
+def test_explicit_and_requested_async_rebalances():
+    run_distributed(_explicit_body, 2)
+
+
+def _failure_body(rank, world, failing_ranks, asynchronous):
+    """An exchange that raises at the second changed layer on `failing_ranks`: every rank
+    aborts at the same layer (the others may first wait for the failed rank until the
+    transfer timeout), nothing raises in async mode, the failure is counted, the model
+    keeps serving exactly, and the next rebalance succeeds on a fresh transfer group."""
+    import eplb.transfer
+    from moe import DenseMoEModel, MoEModel, sample_tokens
+
+    from eplb.metrics import EplbMetrics
+    from eplb.runtime import RebalanceError
+
+    device = device_for(rank)
+    args = _args(num_layers=4, num_redundant_experts=world)
+    model = MoEModel(args, group=dist.group.WORLD, device=device)
+    runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=world, rebalance_interval=0,
+                                            async_rebalance=asynchronous, transfer_timeout=2.0))
+    metrics = EplbMetrics(runtime, interval=1000)
+    failures = []
+    runtime.add_failure_listener(lambda trigger, e: failures.append((trigger, e)))
+    reference = DenseMoEModel(args, device=device)
+    old = runtime.placement
+    rng = np.random.default_rng(5)  # same on every rank
+    target = np.stack([rng.permutation(np.arange(old.num_slots) % args.num_experts) for _ in range(4)])
+    new = old.with_physical_to_logical(target, "test")
+    real = eplb.transfer.exchange_layer
+    calls = []
+
+    def flaky(plan, weights, group, staging, **kw):
+        calls.append(1)
+        if len(calls) == 2 and rank in failing_ranks:
+            raise RuntimeError("injected exchange failure")
+        return real(plan, weights, group, staging, **kw)
+
+    eplb.transfer.exchange_layer = flaky
+    try:
+        if asynchronous:
+            assert runtime.apply_placement(new, wait=False) is None and runtime.rebalance_in_flight
+            for _ in range(2000):
+                runtime.step()
+                if not runtime.rebalance_in_flight:
+                    break
+        else:
+            with pytest.raises(RebalanceError, match="after 1 of 4 changed layers"):
+                runtime.apply_placement(new)
+    finally:
+        eplb.transfer.exchange_layer = real
+    assert not runtime.rebalance_in_flight and len(failures) == 1
+    assert "after 1 of 4 changed layers" in str(failures[0][1])
+    assert metrics.value("eplb_rebalances_total", trigger="api", outcome="failure") == 1
+    p2l = runtime.placement.physical_to_logical
+    assert np.array_equal(p2l[:1], target[:1]) and np.array_equal(p2l[1:], old.physical_to_logical[1:])
+    check_committed(args, runtime, device)
+    x = sample_tokens(args, 32, seed=rank, device=device)
+    torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
+    runtime.apply_placement(new)  # the next change goes through
+    check_committed(args, runtime, device)
+    torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
+    runtime.close()  # threads of the aborted change end by their group's timeout
+    assert not runtime._stale
+
+
+@pytest.mark.parametrize("failing,asynchronous", [((0, 1, 2, 3), True), ((1,), True), ((1,), False)])
+def test_failed_exchange_aborts_every_rank_at_the_same_layer(failing, asynchronous):
+    run_distributed(_failure_body, 4, failing, asynchronous, timeout=120)
+
+
+def test_config_fields():
+    assert EplbConfig(async_rebalance=True, transfer_timeout=5).verify(8, 2, 8).async_rebalance
+    for bad in (dict(async_rebalance=1), dict(transfer_timeout=0), dict(transfer_timeout=float("nan")),
+                dict(transfer_timeout=True), dict(transfer_timeout="5")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EplbConfig(**bad).verify(8, 2, 8)
