@@ -186,3 +186,4 @@ def test_config_fields():
                 dict(transfer_timeout=True), dict(transfer_timeout="5")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EplbConfig(**bad).verify(8, 2, 8)
+
