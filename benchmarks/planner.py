@@ -210,27 +210,40 @@ def replay(policy: str, tol: float, M=16, P=80, width=20, start=0):
 def section_moves() -> None:
     print("## 3. Moves: ESFT all-tasks per-sequence trace, windows of 20 sequences, EP16, 80 slots\n")
     print("plan every 20 sequences on the last 20 (previous = the placement in force), score on the next 20\n")
+    default_tol = PolicyOptions().move_tolerance
     rows = []
     d = replay("deepseek", 0.0)
-    rows.append(["deepseek (from scratch)", "-", f"{100 * d[0]:.1f}%", f"{d[1]:.0f}", f"{d[2]:.4f}", f"{d[3]:.4f}"])
-    for tol in (0.0, 0.005, 0.01, 0.02, 0.05, 0.1):
+    rows.append(["deepseek (from scratch)", "-", f"{100 * d[0]:.1f}%", "1.00", f"{d[1]:.0f}", f"{d[2]:.4f}",
+                 f"{d[3]:.4f}"])
+    tols = sorted({0.0, 0.005, 0.01, 0.015, 0.02, 0.025, 0.0275, 0.03, 0.0325, 0.035, 0.04, 0.05, 0.075, 0.1,
+                   default_tol})
+    for tol in tols:
         b = replay("default", tol)
-        rows.append([f"default{' (default knob)' if tol == 0.02 else ''}", f"{tol}", f"{100 * b[0]:.1f}%",
-                     f"{b[1]:.0f}", f"{b[2]:.4f}", f"{b[3]:.4f}"])
-    table(["policy", "move_tolerance", "copies moved / rebalance", "remote receives / rebalance",
-           "imbalance next 20 (out of sample)", "imbalance last 20 (in sample)"], rows)
+        ok = b[0] <= d[0] / 3 and b[2] <= d[2]
+        rows.append([f"default{' (default knob)' if tol == default_tol else ''}", f"{tol}", f"{100 * b[0]:.1f}%",
+                     f"{b[0] / d[0]:.2f}", f"{b[1]:.0f}", f"{b[2]:.4f}{'' if b[2] <= d[2] else ' !'}",
+                     f"{b[3]:.4f}", "yes" if ok else "no"])
+    rows[0].append("-")
+    table(["policy", "move_tolerance", "copies moved / rebalance", "vs deepseek", "remote receives / rebalance",
+           "imbalance next 20 (out of sample)", "imbalance last 20 (in sample)", "both targets"], rows)
     print(f"{d[4]} rebalances; copies moved = slots whose expert changes, as a share of 26 x 80; "
-          "remote receives = eplb.transfer.transfer_stats(old, new, 16).experts_moved\n")
+          "remote receives = eplb.transfer.transfer_stats(old, new, 16).experts_moved; `!`: out of sample worse "
+          "than deepseek; both targets = moved <= 1/3 of deepseek's and out of sample <= deepseek's\n")
     # the out-of-sample figure is dominated by the noise of 20-sequence windows (and by the
     # task change inside the trace), so the same replay from 10 start offsets as well
     rows = []
-    for policy, tol in (("deepseek", 0.0), ("default", 0.0), ("default", 0.02), ("default", 0.05)):
-        runs = [replay(policy, tol, start=k) for k in range(0, 20, 2)]
-        rows.append([policy if policy == "deepseek" else f"default, tolerance {tol}",
+    ds = [replay("deepseek", 0.0, start=k) for k in range(0, 20, 2)]
+    rows.append(["deepseek", f"{100 * np.mean([r[0] for r in ds]):.1f}%", f"{np.mean([r[2] for r in ds]):.4f}",
+                 f"{np.mean([r[3] for r in ds]):.4f}", "-"])
+    for tol in sorted({0.0, 0.02, 0.03, 0.035, 0.05, default_tol}):
+        runs = [replay("default", tol, start=k) for k in range(0, 20, 2)]
+        wins = sum(r[2] <= q[2] for r, q in zip(runs, ds))
+        rows.append([f"default, tolerance {tol}{' (default)' if tol == default_tol else ''}",
                      f"{100 * np.mean([r[0] for r in runs]):.1f}%", f"{np.mean([r[2] for r in runs]):.4f}",
-                     f"{np.mean([r[3] for r in runs]):.4f}"])
+                     f"{np.mean([r[3] for r in runs]):.4f}", f"{wins} / 10"])
     print("the same replay started at sequence 0, 2, ..., 18 (mean of the 10 runs):\n")
-    table(["policy", "copies moved / rebalance", "imbalance next 20", "imbalance last 20"], rows)
+    table(["policy", "copies moved / rebalance", "imbalance next 20", "imbalance last 20",
+           "runs with next 20 <= deepseek's"], rows)
 
 
 # ---- 4. speed ---------------------------------------------------------------------------------
@@ -296,14 +309,14 @@ def section_shares(data) -> None:
             w = plan(load, M, P, weighted=True)
             even = imbalance(load, b.physical_to_logical, M).mean()
             sh = imbalance(load, w.physical_to_logical, M, share=w.shares)
-            cells.append(f"{even:.4f} / {sh.mean():.4f}")
+            cells.append(f"{even:.4f} / {sh.mean():.6f} ({sh.max():.6f})")
             if M <= 32 and sh.mean() > 1.002:
                 fails.append(f"{name} EP{M}")
         nw = plan(load, 16, N, weighted=True)
         cells.append(f"{imbalance(load, nw.physical_to_logical, 16, share=nw.shares).mean():.4f} "
                      f"(shares all 1: {bool(np.allclose(nw.shares, 1))})")
         rows.append(cells)
-    print("cells: default without shares / default with shares (mean over layers), P = N + M\n")
+    print("cells: default without shares / default with shares, mean over layers (worst layer), P = N + M\n")
     table(["trace"] + [f"EP{M}" for M in EP_SIZES] + ["EP16, P = N (no redundant slot)"], rows)
     print("target <= 1.002 at EP <= 32: " + ("met everywhere" if not fails else "missed for " + ", ".join(fails)) + "\n")
 

@@ -192,6 +192,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from eplb.config import EplbConfig
+
     from eplb.demo import add_demo_arguments
 
     p = _Parser(prog="eplb", description="Expert-parallel load balancer for MoE models.")
@@ -256,7 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--num-groups", type=_positive("--num-groups"), default=1)
     sm.add_argument("--decay", type=_float("--decay"), default=1.0,
                     help="weight of a step k steps older than the newest: decay**k (default 1 = sum)")
-    sm.add_argument("--move-tolerance", type=_float("--move-tolerance"), default=0.02)
+    sm.add_argument("--move-tolerance", type=_float("--move-tolerance"), default=EplbConfig.move_tolerance,
+                    help=f"extra predicted imbalance accepted to keep experts in place "
+                         f"(default {EplbConfig.move_tolerance}, as EplbConfig)")
     sm.add_argument("--weighted", action="store_true", help="ask the policies for weighted replicas")
     sm.add_argument("--aggregate", type=_positive("--aggregate"), default=1, metavar="A",
                     help="first sum every A consecutive trace entries into one step (default 1)")

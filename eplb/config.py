@@ -33,7 +33,7 @@ class EplbConfig:
     move_tolerance: float = 0.03
     """Relative extra predicted imbalance the planner accepts to keep experts where they
     are (0 = best balance whatever it moves; larger = fewer moves). At 0.03 the ESFT
-    replay of benchmarks/planner.py moves 16.5% of the copies per rebalance (DeepSeek
+    replay of benchmarks/planner.py moves 16.6% of the copies per rebalance (DeepSeek
     EPLB: 92.1%) with no worse out-of-sample balance; trade-off table in
     benchmarks/README.md (planner section)."""
     weighted_replicas: bool = False

@@ -13,7 +13,7 @@ import numpy as np
 
 from eplb.loadio import MAX_EXPERTS, MAX_SLOTS, as_load
 from eplb.placement import Placement
-from eplb.policy import PolicyOptions, get_policy
+from eplb.policy import DEFAULT_MOVE_TOLERANCE, PolicyOptions, get_policy
 
 
 def plan(
@@ -25,7 +25,7 @@ def plan(
     policy: str = "default",
     previous: Placement | None = None,
     *,
-    move_tolerance: float = 0.02,
+    move_tolerance: float = DEFAULT_MOVE_TOLERANCE,
     weighted: bool = False,
 ) -> Placement:
     """Compute a placement for `load` ([L, N] or [T, L, N], numpy or torch; T is summed).

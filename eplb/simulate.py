@@ -35,7 +35,7 @@ import numpy as np
 
 from eplb.placement import Placement
 from eplb.planning import check_topology, plan, positive_int
-from eplb.policy import get_policy
+from eplb.policy import DEFAULT_MOVE_TOLERANCE, get_policy
 from eplb.transfer import transfer_stats
 from eplb.workload import check_trace, load_trace as read_trace  # re-exported for the CLI
 
@@ -164,7 +164,7 @@ def simulate(
     num_nodes: int = 1,
     num_groups: int = 1,
     decay: float = 1.0,
-    move_tolerance: float = 0.02,
+    move_tolerance: float = DEFAULT_MOVE_TOLERANCE,
     weighted: bool = False,
     bytes_per_expert: int | None = None,
     start: int | None = None,

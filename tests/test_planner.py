@@ -320,6 +320,53 @@ def test_weighted_shares_reach_1_002(M):
     assert (imbalance(p, ESFT) <= imbalance(even, ESFT) + 1e-12).all()
 
 
+@pytest.mark.parametrize("M", [8, 16, 32, 64])
+def test_weighted_chain_reaches_the_mean_on_real_loads(M):
+    # with shares only integrality limits balance; the wrap-around chain removes it
+    for load in (ESFT, OLMOE):
+        p = plan(load, M, 64 + M, weighted=True)
+        check_valid(p, load, 64 + M, M)
+        assert imbalance(p, load).max() <= 1 + 1e-9
+
+
+def test_weighted_chain_spreads_a_hot_expert_over_several_gpus():
+    # expert 3 carries 40% of the tokens: 3.2 GPUs' worth on 8 GPUs
+    load = np.full((3, 32), 10.0)
+    load[:, 3] = 0.4 / 0.6 * load.sum(1)
+    load[1, 5] = 0.0  # an idle expert still gets its slot
+    p = plan(load, 8, 40, weighted=True)
+    check_valid(p, load, 40, 8)
+    assert (p.replica_count()[:, 3] >= 4).all()
+    assert imbalance(p, load).max() <= 1 + 1e-9
+
+
+def test_chain_shares_follow_the_slots_when_relabelled_towards_previous():
+    prev = plan(ESFT[::-1].copy(), 16, 80, weighted=True)
+    p = plan(ESFT, 16, 80, weighted=True, previous=prev, move_tolerance=0.0)
+    check_valid(p, ESFT, 80, 16)
+    assert imbalance(p, ESFT).max() <= 1 + 1e-9  # shares moved with their slots
+    again = plan(ESFT, 16, 80, weighted=True)
+    kept = (p.physical_to_logical == prev.physical_to_logical).mean()
+    assert kept > (again.physical_to_logical == prev.physical_to_logical).mean()  # relabelled towards prev
+
+
+def test_weighted_hierarchical_balances_inside_every_node():
+    N, M, nodes, G = 64, 16, 4, 8
+    p = plan(ESFT, M, N + M, nodes, G, weighted=True)
+    check_valid(p, ESFT, N + M, M)
+    gs, per = N // G, (N + M) // nodes
+    node_load = np.zeros((26, nodes))
+    for layer in range(26):
+        owner = {}
+        for j in range(nodes):
+            experts = set(p.physical_to_logical[layer, j * per:(j + 1) * per].tolist())
+            assert all(owner.setdefault(e // gs, j) == j for e in experts)  # whole groups on one node
+            node_load[layer, j] = ESFT[layer, sorted(experts)].sum()
+    # inside every node the GPUs reach the node's mean: the max GPU load is the busiest node's mean
+    best = node_load.max(1) / (M // nodes) / (ESFT.sum(1) / M)
+    assert np.allclose(imbalance(p, ESFT), best, rtol=1e-9)
+
+
 def test_weighted_without_redundant_slots_is_even():
     p = plan(ESFT[:4], 16, 64, weighted=True)
     assert np.allclose(p.shares, 1.0)  # one replica per expert: nothing to share

@@ -271,3 +271,15 @@ def test_previous_mismatch():
             plan(new_load, m, p, previous=prev)
     with pytest.raises(ValueError, match="previous must be a Placement"):
         plan(load, 4, 12, previous=prev.physical_to_logical)
+
+
+def test_move_tolerance_default_is_the_same_everywhere():
+    """EplbConfig, plan() and PolicyOptions share one default move_tolerance."""
+    import inspect
+
+    from eplb.config import EplbConfig
+    from eplb.planning import plan as plan_fn
+    from eplb.policy import DEFAULT_MOVE_TOLERANCE, PolicyOptions
+
+    assert EplbConfig().move_tolerance == DEFAULT_MOVE_TOLERANCE == PolicyOptions().move_tolerance
+    assert inspect.signature(plan_fn).parameters["move_tolerance"].default == DEFAULT_MOVE_TOLERANCE

@@ -16,11 +16,14 @@ from eplb.placement import Placement
 from eplb.policy import balanced, deepseek
 
 
+DEFAULT_MOVE_TOLERANCE = 0.03  # the same default as EplbConfig.move_tolerance (see there)
+
+
 @dataclass(frozen=True)
 class PolicyOptions:
     """Knobs every policy receives (a policy may ignore what it does not support)."""
 
-    move_tolerance: float = 0.02  # extra relative imbalance accepted to keep experts in place
+    move_tolerance: float = DEFAULT_MOVE_TOLERANCE  # extra relative imbalance accepted to keep experts in place
     weighted: bool = False  # return (physical_to_logical, shares) with per-slot shares
 
 
@@ -88,4 +91,4 @@ def default_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, o
     return balanced.balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options)
 
 
-__all__ = ["PolicyFn", "PolicyOptions", "register_policy", "get_policy", "available_policies"]
+__all__ = ["DEFAULT_MOVE_TOLERANCE", "PolicyFn", "PolicyOptions", "register_policy", "get_policy", "available_policies"]

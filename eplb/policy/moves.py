@@ -13,14 +13,16 @@ from eplb.policy.rows import counts_of, max_load
 from eplb.policy.solve import solve
 
 
-def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4) -> np.ndarray:
+def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, with_source: bool = False):
     """Relabel the GPUs of `new` [R, p] (and order the slots inside each GPU) so that as
     many experts as possible stay on the GPU and in the slot that held them in `old`.
     GPU loads are unchanged, only their labels. Greedy matching by proposals: every new
     GPU proposes to the old GPU that held most of its experts (each expert counted on the
     GPU of its first old replica); every old GPU accepts its best proposer; a few rounds;
     the rest are matched in index order. Inside a GPU, an expert that stays keeps its old
-    slot and the k-th newcomer takes the k-th free slot."""
+    slot and the k-th newcomer takes the k-th free slot. With `with_source`, also returns
+    src [R, p]: the slot of `new` that every slot of the result comes from (to carry
+    per-slot data such as shares)."""
     R, p = new.shape
     s = p // m
     rows = np.arange(R)
@@ -79,8 +81,13 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4) -> 
     np.put_along_axis(dest, movers, np.where(np.arange(s) < nmov, free, stay), 1)
     dest = dest.reshape(R, m, s)
     out = np.empty_like(new)
-    out[rows[:, None, None], match[..., None] * s + dest] = E
-    return out
+    where = (rows[:, None, None], match[..., None] * s + dest)
+    out[where] = E
+    if not with_source:
+        return out
+    source = np.empty_like(new)
+    source[where] = np.arange(p).reshape(1, m, s)
+    return out, source
 
 
 def _stable_false_first(b: np.ndarray) -> np.ndarray:

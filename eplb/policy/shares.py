@@ -1,6 +1,9 @@
 """Weighted replicas: per-slot shares of an expert's tokens that even out GPU loads
-(water-filling), and placement tweaks that give the shares room to work."""
+(water-filling), placement tweaks that give the shares room to work, and a placement
+built for shares (the wrap-around chain)."""
 from __future__ import annotations
+
+from typing import Optional
 
 import numpy as np
 
@@ -211,16 +214,39 @@ def break_tight_sets(w: np.ndarray, p2l: np.ndarray, m: int, rounds: int = 24) -
     return p2l, shares
 
 
-def plan_shares(w: np.ndarray, p2l: np.ndarray, m: int, nodes: int, hierarchical: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Shares for the placement p2l [L, P] of loads w [L, N] on m GPUs: water-filling on
-    p2l, and on a variant that links isolated GPUs (inside every node when
-    `hierarchical`, so that replicas stay on their node); per layer the better one is
-    kept. Returns (p2l [L, P], shares [L, P])."""
+def plan_shares(w: np.ndarray, p2l: np.ndarray, m: int, nodes: int, hierarchical: bool,
+                prev: Optional[np.ndarray] = None, tol: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Shares for the placement p2l [L, P] of loads w [L, N] on m GPUs. Two candidates
+    per layer: (a) p2l itself with water-filled shares, or a variant that links isolated
+    GPUs and breaks tight GPU sets (inside every node when `hierarchical`, so that
+    replicas stay on their node); (b) the wrap-around chain (`chain_shares`, per node when
+    hierarchical, on p2l's assignment of groups to nodes), which reaches the mean GPU
+    load exactly whenever its greedy order succeeds; it needs s >= 2 slots per GPU and
+    (m / nodes)(s - 1) >= the experts of a node. The lower max GPU load wins; with a
+    previous placement prev [L, P] the chain is relabelled to keep experts where they
+    were (`moves.align`) and (a), which started from prev, is kept while within
+    (1 + tol) of it. Returns (p2l [L, P], shares [L, P])."""
     L, P = p2l.shape
     N = w.shape[1]
-    shares = replica_shares(w, p2l, m)
     if P == N:
-        return p2l, shares  # one replica per expert: nothing to share
+        return p2l, replica_shares(w, p2l, m)  # one replica per expert: nothing to share
+    a_p2l, a_shares = _improved_shares(w, p2l, m, nodes, hierarchical)
+    k = nodes if hierarchical else 1
+    s = P // m
+    if s < 2 or (m // k) * (s - 1) < N // k:
+        return a_p2l, a_shares
+    b_p2l, b_shares = _chain_on_nodes(w, p2l, m, k, s, prev)
+    a = gpu_sums(take(w, a_p2l) * a_shares, m).max(1)  # [L]
+    b = gpu_sums(take(w, b_p2l) * b_shares, m).max(1)
+    use = b * (1 + (tol if prev is not None else 0.0)) < a * (1 - 1e-12)
+    return np.where(use[:, None], b_p2l, a_p2l), np.where(use[:, None], b_shares, a_shares)
+
+
+def _improved_shares(w, p2l, m, nodes, hierarchical):
+    """Candidate (a) of `plan_shares`: water-filling on p2l and on a variant that links
+    isolated GPUs, then (global case) swaps that break tight GPU sets."""
+    L, P = p2l.shape
+    shares = replica_shares(w, p2l, m)
     if hierarchical:
         sub = p2l.reshape(L * nodes, P // nodes)
         linked = connect_for_shares(np.repeat(w, nodes, axis=0), sub, m // nodes).reshape(L, P)
@@ -234,3 +260,115 @@ def plan_shares(w: np.ndarray, p2l: np.ndarray, m: int, nodes: int, hierarchical
     if hierarchical:  # (swaps across nodes would break locality)
         return p2l, np.where(use[:, None], linked_shares, shares)
     return break_tight_sets(w, p2l, m)
+
+
+def _chain_on_nodes(w, p2l, m, k, s, prev):
+    """Candidate (b) of `plan_shares`: `chain_shares` for every (layer, node) row, the
+    experts of a node being those p2l [L, P] places there (k = 1: the whole layer);
+    relabelled inside every node towards prev [L, P] when given."""
+    L, N = w.shape
+    P = p2l.shape[1]
+    nk = N // k
+    # experts of every (layer, node), ascending: [L k, N/k]
+    slot_node = np.arange(P) // (P // k)
+    expert_node = np.zeros((L, N), dtype=np.int64)
+    expert_node[np.arange(L)[:, None], p2l] = slot_node[None, :]
+    order = argsort_rows(expert_node.astype(np.float64)).reshape(L * k, nk)  # [L k, N/k]
+    sub_w = take(w, order.reshape(L, N)).reshape(L * k, nk)
+    local, shares = chain_shares(sub_w, m // k, s)  # [L k, P/k] local ids
+    glob = np.take_along_axis(order, local, 1)  # [L k, P/k]
+    if prev is not None:
+        from eplb.policy.moves import align
+
+        glob, src = align(glob, prev.reshape(L * k, P // k), m // k, N, with_source=True)
+        shares = np.take_along_axis(shares, src, 1)
+    return glob.reshape(L, P), shares.reshape(L, P)
+
+
+def chain_shares(w: np.ndarray, m: int, s: int) -> tuple[np.ndarray, np.ndarray]:
+    """Placement and shares built for weighted replicas: a wrap-around chain.
+
+    With shares, balance is a flow problem: expert e sends w_e tokens to the GPUs that
+    hold it, every GPU takes at most the target T = sum(w) / m, and a placement can reach
+    T exactly iff no set of GPUs holds all the replicas of more than T per GPU (Hall).
+    The chain meets it by construction, in the spirit of McNaughton's wrap-around rule
+    for preemptive scheduling: the experts are first packed (`solve`, no shares) into m
+    groups of q = s - 1 items, each group with load S_g; the groups are then laid out on
+    the GPUs one after the other, and the slot left on every GPU holds the carry, the
+    part of one expert that did not fit on the previous GPU. With D_g the carry out of
+    GPU g (D_g = D_{g-1} + S_g - T), a GPU is filled to exactly T when 0 <= D_g and
+    either D_g <= D_{g-1} (the carried expert absorbs the difference and carries on: a
+    hot expert spans as many GPUs as it needs) or D_g <= the group's largest item (that
+    item is split with the next GPU). The order is greedy, all rows at once, m steps:
+    the next group is the one with the smallest carry D_g >= 0 among those that satisfy
+    this and do not hold the carried expert (else the least violating one). Every GPU
+    gets s slots (the first one, and any GPU entered without carry, one spare slot: a
+    zero-share replica of the heaviest expert it lacks). Items: with more slots than
+    N + m, the heaviest experts get several (`replica_counts`), one item per replica.
+
+    w [R, n], s slots per GPU (s >= 2, m (s - 1) >= n) -> p2l [R, m s], shares [R, m s]."""
+    from eplb.policy.solve import solve  # (solve imports nothing from this module)
+
+    R, n = w.shape
+    q = s - 1
+    rows = np.arange(R)
+    grp = solve(w, m * q, m).reshape(R, m, q)  # [R, m, q] expert of every item, grouped by GPU
+    c = counts_of(grp.reshape(R, -1), n)  # [R, n]
+    item = take(w / c, grp.reshape(R, -1)).reshape(R, m, q)  # [R, m, q] item loads
+    S = item[..., 0].copy()  # [R, m] group loads, item by item
+    for u in range(1, q):
+        S += item[..., u]
+    top = item.argmax(2)  # [R, m] the split item of every group
+    wmax = np.take_along_axis(item, top[..., None], 2)[..., 0]  # [R, m]
+    T = w.sum(1) / m  # [R]
+    eps = 1e-12 * np.maximum(T, 1e-300)
+    on = np.zeros((R, m, n), dtype=bool)  # group g holds expert e
+    on[rows[:, None, None], np.arange(m)[None, :, None], grp] = True
+    used = np.zeros((R, m), dtype=bool)
+    D = np.zeros(R)  # carry into the next GPU
+    x = np.full(R, -1, dtype=np.int64)  # carried expert, -1 none
+    p2l = np.empty((R, m, s), dtype=np.int64)  # chain position k = GPU k
+    load = np.zeros((R, m, s))  # tokens of every slot
+    for k in range(m):
+        nd = D[:, None] + S - T[:, None]  # [R, m] carry out with each group next
+        clash = (x[:, None] >= 0) & on[rows[:, None], np.arange(m)[None, :], np.maximum(x, 0)[:, None]]
+        cont = (nd <= D[:, None] + eps[:, None]) & (x[:, None] >= 0)  # carried expert absorbs
+        split = nd <= wmax + eps[:, None]  # the group's largest item is split
+        ok = (nd >= -eps[:, None]) & (cont | split) & ~clash & ~used
+        if k == m - 1:
+            ok = ~used  # the last group closes the chain (nd = 0 up to rounding)
+        viol = np.where(ok, 0.0, np.maximum(-nd, 0) + np.maximum(nd - np.maximum(np.where(x[:, None] >= 0, D[:, None], 0), wmax), 0)
+                        + np.where(clash, np.inf, 0.0))
+        viol = np.where(used, np.inf, viol)
+        key = np.where(ok, np.maximum(nd, 0), np.inf)
+        # smallest carry among the valid groups, else the least violating one (lowest index on ties)
+        g = np.where(ok.any(1), key.argmin(1), viol.argmin(1))  # [R]
+        ndg = np.maximum(nd[rows, g], 0.0) if k < m - 1 else np.zeros(R)
+        is_cont = cont[rows, g] & (ndg <= D + eps) & ~clash[rows, g]
+        carry_in = D.copy()
+        # slot 0: the carried expert (its piece here) or a spare replica with no tokens
+        has_x = (x >= 0) & ~clash[rows, g]
+        spare_w = np.where(on[rows, g], -1.0, w)  # the heaviest expert the group lacks
+        spare = spare_w.argmax(1)
+        p2l[:, k, 0] = np.where(has_x, x, spare)
+        load[:, k, 0] = np.where(has_x, np.where(is_cont, carry_in - ndg, carry_in), 0.0)
+        p2l[:, k, 1:] = grp[rows, g]
+        load[:, k, 1:] = item[rows, g]
+        # chain mode: the group's largest item keeps all but the carry out
+        chain = ~is_cont & (ndg > 0)
+        tg = top[rows, g]
+        load[rows[chain], k, 1 + tg[chain]] -= ndg[chain]
+        x = np.where(is_cont, x, np.where(ndg > 0, grp[rows, g, tg], -1))
+        x = np.where(ndg > 0, x, -1)
+        D = ndg
+        used[rows, g] = True
+    p2l = p2l.reshape(R, m * s)
+    load = np.maximum(load.reshape(R, m * s), 0.0)  # (rounding)
+    # per-slot tokens -> shares of each expert (exact normalisation)
+    tot = np.zeros(R * n)
+    flat = (p2l + (rows * n)[:, None]).ravel()
+    np.add.at(tot, flat, load.ravel())
+    tot = tot.reshape(R, n)
+    cnt = counts_of(p2l, n)
+    shares = np.where(take(tot, p2l) > 0, load / np.where(take(tot, p2l) > 0, take(tot, p2l), 1.0), 1.0 / take(cnt, p2l))
+    return p2l, shares

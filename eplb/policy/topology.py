@@ -154,7 +154,13 @@ def groups_to_nodes(group_load: np.ndarray, k: int) -> np.ndarray:
         node = gl[..., 0].copy()
         for j in range(1, G // k):  # fixed summation order
             node += gl[..., j]
-        best = lexmin(node.max(-1), (node * node).sum(-1))
+        # max and sum of squares over the k nodes, node by node (a reduction over a short
+        # last axis is slow in numpy); the same values, summed in the same order
+        top, sq = node[..., 0].copy(), node[..., 0] * node[..., 0]  # [L, X]
+        for j in range(1, k):
+            np.maximum(top, node[..., j], out=top)
+            sq += node[..., j] * node[..., j]
+        best = lexmin(top, sq)
         return parts[best]
     ones = np.ones((L, G), dtype=np.int64)
     p2l = pack(group_load, ones, k)  # [L, G] group of each "slot"
