@@ -181,6 +181,7 @@ class Run:
         gpu_load = torch.zeros(self.total, L, M, dtype=torch.int64, device=dev)  # [T, L, M]
         logical = torch.zeros(self.total, L, N, dtype=torch.int64, device=dev)  # [T, L, N]
         moves = np.zeros((self.total, 2))  # [T] (experts moved, rebalance seconds) of events ending then
+        step_call = np.zeros(self.total)  # [T] host seconds inside runtime.step() (the step loop's share)
         for t in range(self.total):
             x = self.tokens(t)
             self.model.set_routing_bias(self.bias[t])
@@ -195,7 +196,9 @@ class Run:
             gpu_load[t] = load.view(L, M, S).sum(-1)
             logical[t] = torch.zeros(L, N, dtype=torch.int64, device=dev).scatter_add_(
                 1, runtime.physical_to_logical, load)
+            t1 = time.perf_counter()
             runtime.step()
+            step_call[t] = time.perf_counter() - t1
             _sync(dev)
             seconds[t] = time.perf_counter() - t0
             new_events = runtime.events[events_before:]
@@ -212,7 +215,7 @@ class Run:
         dist.all_reduce(logical, group=self.group)
         return {"seconds": seconds.cpu().numpy(), "flags": flags.cpu().numpy(),
                 "gpu_load": gpu_load.cpu().numpy(), "logical": logical.cpu().numpy(),
-                "moves": moves}
+                "moves": moves, "step_call": step_call}
 
     def oracle_plans(self, logical: np.ndarray) -> dict[int, Placement]:  # step -> placement
         """At each interval start, plan on the realised load [steps in the interval, L, N]."""
@@ -237,6 +240,7 @@ def summarize(a: argparse.Namespace, run: Run, results: dict[str, dict]) -> dict
         bal = np.array([balancedness_of_gpu_loads(g).mean() for g in r["gpu_load"][timed]])
         quiet = sec[~flight]
         busy = sec[flight]
+        call = r["step_call"][timed]  # this rank's (rank 0's) host time in runtime.step()
         out[mode] = {
             "tokens_per_s": tokens_per_step * len(sec) / sec.sum(),
             "step_ms_median": 1e3 * float(np.median(sec)),
@@ -244,6 +248,9 @@ def summarize(a: argparse.Namespace, run: Run, results: dict[str, dict]) -> dict
             "step_ms_median_in_flight": 1e3 * float(np.median(busy)) if len(busy) else None,
             "step_ms_max_in_flight": 1e3 * float(busy.max()) if len(busy) else None,
             "steps_in_flight": int(flight.sum()),
+            "step_call_ms_median_no_rebalance": 1e3 * float(np.median(call[~flight])) if len(quiet) else None,
+            "step_call_ms_median_in_flight": 1e3 * float(np.median(call[flight])) if len(busy) else None,
+            "step_call_ms_max_in_flight": 1e3 * float(call[flight].max()) if len(busy) else None,
             "balancedness": float(bal.mean()),
             "rebalances": int(flags[:, 0].sum()),
             "experts_moved": int(r["moves"][timed, 0].sum()),
@@ -287,6 +294,10 @@ def report(a: argparse.Namespace, run: Run, summary: dict, seconds_total: float)
                   f"{s['step_ms_max_in_flight']:.2f} ms "
                   f"(async target: +<=1 ms median, <=5 ms max over the no-rebalance median: "
                   f"max delay {s['step_ms_max_in_flight'] - s['step_ms_median_no_rebalance']:.2f} ms)")
+            print(f"  of which inside runtime.step() (rank 0, host): median "
+                  f"{s['step_call_ms_median_no_rebalance']:.3f} ms with no rebalance in flight, "
+                  f"{s['step_call_ms_median_in_flight']:.3f} ms with one, max "
+                  f"{s['step_call_ms_max_in_flight']:.3f} ms")
 
 
 def worker(a: argparse.Namespace) -> int:

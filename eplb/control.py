@@ -110,3 +110,21 @@ def agree_min(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
     t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return t.tolist()
+
+
+class PendingMin:
+    """An element-wise MIN all-reduce of `values` started now (`async_op`: gloo runs it in
+    its own thread); `result()` waits for it. Lets the step loop start an agreement at one
+    step boundary and read it at the next, so it never waits for a network round trip."""
+
+    def __init__(self, values: list[int], group: dist.ProcessGroup | None) -> None:
+        self.tensor = torch.tensor(values, dtype=torch.int64)  # [len(values)]
+        self.work = None
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            self.work = dist.all_reduce(self.tensor, op=dist.ReduceOp.MIN, group=group,
+                                        async_op=True)
+
+    def result(self) -> list[int]:
+        if self.work is not None:
+            self.work.wait()
+        return self.tensor.tolist()

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from eplb import transfer as _transfer
-from eplb.control import agree_min
+from eplb.control import PendingMin, agree_min
 from eplb.placement import Placement
 from eplb.transfer import (LayerTransferPlan, TransferVerificationError, allocate_staging,
                            plan_layer_transfer, slot_checksums)
@@ -113,6 +113,8 @@ class PlacementChange:
         self.t_end: float | None = None
 
         self._cv = threading.Condition()
+        self.pipelined = False  # asynchronous mode reads each agreement one step later
+        self._pending: PendingMin | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
         self._last_progress = time.monotonic()
@@ -153,6 +155,7 @@ class PlacementChange:
 
     def start(self) -> None:
         """Asynchronous: plan and exchange in a daemon thread; call `advance()` every step."""
+        self.pipelined = True
         self._thread = threading.Thread(target=self._background, name="eplb-rebalance", daemon=True)
         self._thread.start()
 
@@ -173,21 +176,26 @@ class PlacementChange:
         """One step boundary: agree with every rank, then switch the next layer if every
         rank has it staged. Returns `finished`. Raises RebalanceError when any rank failed
         (the change is aborted everywhere at the same layer), EplbFatalError when the
-        agreement itself fails."""
+        agreement itself fails.
+
+        Asynchronous mode pipelines the agreement: the all-reduce started at one boundary
+        (gloo, in its own thread) is read at the next one, so the step loop does not wait
+        for a round trip; every rank acts on the same agreed values, one step later."""
         self.steps += 1
-        with self._cv:
-            ready, ok = self.ready, self.error is None
-        if ok and time.monotonic() - self._last_progress > self.timeout:
-            self._fail(TimeoutError(f"no layer switched for {self.timeout:g} s (transfer_timeout)"))
-            ok = False
-        try:  # [layers staged, ok, first failed rank] over all ranks
-            min_ready, all_ok, failed_rank = agree_min(
-                [ready, int(ok), self.num_ranks if ok else self.rank], self.control_group)
+        try:
+            if not self.pipelined:
+                agreed = agree_min(self._local_state(), self.control_group)
+            elif self._pending is None:  # the first boundary only starts an agreement
+                self._pending = PendingMin(self._local_state(), self.control_group)
+                return False
+            else:
+                agreed, self._pending = self._pending.result(), None
         except Exception as e:  # noqa: BLE001
             self._stop_thread()
             raise EplbFatalError(
                 f"rebalance lost contact with its peers after {self.committed} switched layers "
                 f"({type(e).__name__}: {e}); a rank died or stopped answering") from e
+        min_ready, all_ok, failed_rank = agreed
         if not all_ok:
             self._stop_thread()
             self.aborted = True
@@ -197,9 +205,26 @@ class PlacementChange:
             raise RebalanceError(why) from self.error
         if min_ready > self.committed:
             self._switch_next()
-        if self.finished and self.t_end is None:
-            self.t_end = time.perf_counter()
+        if self.finished:
+            if self.t_end is None:
+                self.t_end = time.perf_counter()
+        elif self.pipelined:  # every rank takes this branch at the same boundary
+            try:
+                self._pending = PendingMin(self._local_state(), self.control_group)
+            except Exception as e:  # noqa: BLE001
+                self._stop_thread()
+                raise EplbFatalError(f"rebalance lost contact with its peers ({e})") from e
         return self.finished
+
+    def _local_state(self) -> list[int]:
+        """[layers staged, ok, this rank if failed else num_ranks]; a change with no layer
+        switched for `timeout` seconds counts as failed here."""
+        with self._cv:
+            ready, ok = self.ready, self.error is None
+        if ok and time.monotonic() - self._last_progress > self.timeout:
+            self._fail(TimeoutError(f"no layer switched for {self.timeout:g} s (transfer_timeout)"))
+            ok = False
+        return [ready, int(ok), self.num_ranks if ok else self.rank]
 
     def _fail(self, e: BaseException) -> None:
         with self._cv:

@@ -138,6 +138,8 @@ class EplbRuntime:
         # collective (IPC: every rank maps its peers' expert tensors once)
         self.transport = make_transport(self.config.transport, self.expert_weights,
                                         self._transfer_group)
+        if self.rank == 0 and self.config.async_rebalance:
+            self._warm_up_planner()
         self._change: PlacementChange | None = None  # the rebalance in flight (async mode)
         self._change_info: dict = {}
         self._stale: list[PlacementChange] = []  # aborted changes whose thread may still run
@@ -148,6 +150,16 @@ class EplbRuntime:
             self.apply_placement(target, trigger="initial")
 
     # ---- set-up helpers ----------------------------------------------------------
+    def _warm_up_planner(self) -> None:
+        """Plan once on a uniform load, now: the first plan of a process pays for imports
+        and first-call costs (tens of ms of Python holding the GIL), which would otherwise
+        land in the background thread during the first rebalance and delay the steps
+        served beside it."""
+        L, N = self.placement.num_layers, self.placement.num_logical_experts
+        plan(np.ones((L, N)), self.world_size, self.placement.num_slots, self.config.num_nodes,
+             self.model.num_expert_groups, self.config.policy, previous=self.placement,
+             move_tolerance=self.config.move_tolerance, weighted=self.config.weighted_replicas)
+
     @staticmethod
     def _find_device(model) -> torch.device:
         for w in getattr(model, "expert_weights", None) or []:
