@@ -17,12 +17,27 @@ see `eplb.metrics`), so a job is one scrape target.
                            "error", ...}; 404 if unknown
 
 The token comes from `token=`, `token_file=`, the environment variable EPLB_TOKEN or the
-file named by EPLB_TOKEN_FILE (in that order). Without a token POST /rebalance answers
-403: the trigger is disabled rather than open. A missing or wrong token answers 401 and
-requests nothing. GET endpoints need no token: they are read-only, and the server binds
-127.0.0.1 unless given another host. Errors are JSON {"error": "..."} without stack
-traces; request bodies are limited to `max_body` bytes (413); requests are logged only
-at DEBUG level on the "eplb.server" logger.
+file named by EPLB_TOKEN_FILE (in that order).
+
+Hardening (each point has a test in tests/test_server.py):
+  * every state-changing method (POST, PUT, DELETE, PATCH) on ANY path needs the bearer
+    token, checked before routing with `hmac.compare_digest`: 401 on a missing or wrong
+    token, 403 when no token is configured (the trigger is off, not open); GET/HEAD are
+    read-only and need none;
+  * the server binds 127.0.0.1 by default; another address must be passed explicitly
+    (`host=`, the demo's `--metrics-host`) and logs a warning; "" (every interface by
+    accident) is refused;
+  * limits: request line `max_request_line` bytes (414), request headers
+    `max_header_bytes` in all (431), body `max_body` bytes (413; chunked bodies 411),
+    `max_connections` connections at once (503 beyond, answered without a thread);
+  * slow clients: the whole request (line, headers, body) must arrive within
+    `request_timeout` seconds, however slowly it trickles, and each read within 10 s;
+    then the connection is closed;
+  * no stack traces or exception text in any response: errors are JSON
+    {"error": "..."} with a fixed message (500: "internal error (see the server log)");
+    the one exception is a failed rebalance's reason in GET /rebalance/<id>, a single
+    line of at most 300 characters, which the operator asked for with the token;
+  * requests are logged only at DEBUG level on the "eplb.server" logger.
 
 `trigger_rebalance()` / `rebalance_status()` / `wait_for_rebalance()` are the client side,
 used by `eplb trigger`.
@@ -31,6 +46,8 @@ from __future__ import annotations
 
 import gzip
 import hmac
+import io
+import ipaddress
 import json
 import logging
 import os
@@ -53,6 +70,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("eplb.server")
 
 MAX_BODY = 4096  # bytes; POST /rebalance takes no body, this only bounds what we read
+MAX_REQUEST_LINE = 2048  # bytes of "METHOD /path HTTP/1.x\r\n" (414 beyond)
+MAX_HEADER_BYTES = 8192  # bytes of all request header lines together (431 beyond)
+REQUEST_TIMEOUT = 10.0  # seconds for the whole request to arrive, however slowly it trickles
+MAX_CONNECTIONS = 32  # connections served at once (503 beyond)
+STATE_CHANGING = ("POST", "PUT", "DELETE", "PATCH")
+_ERROR_TEXT_LIMIT = 300  # characters of a failed rebalance's reason in GET /rebalance/<id>
 _DRAIN_LIMIT = 1 << 20  # bytes of an oversized body read and dropped so the client sees 413
 _ROUTES = {"/": ("GET",), "/metrics": ("GET",), "/healthz": ("GET",), "/placement": ("GET",),
            "/rebalance": ("POST",)}
@@ -88,6 +111,29 @@ def load_token(token: str | None = None, token_file: str | os.PathLike | None = 
     return value
 
 
+def is_loopback(host: str) -> bool:
+    """True when every address `host` names (an IP literal, "localhost" or a name that
+    resolves) is a loopback address; unresolvable names count as not loopback."""
+    name = host.strip("[]")
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(name, None)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback
+                               for i in infos)
+
+
+def _positive(name: str, value, kind=int):
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) \
+            or not value > 0:
+        raise ValueError(f"{name} must be a positive {kind.__name__}, got {value!r}")
+    return value
+
+
 def _json_default(o):
     if hasattr(o, "tolist"):  # numpy arrays and scalars
         return o.tolist()
@@ -99,20 +145,38 @@ class EplbServer:
 
     `metrics`: an EplbMetrics (or a prometheus CollectorRegistry) served at /metrics;
     None answers /metrics with 404. `port=0` picks a free port (read `.url`).
+    `host`: 127.0.0.1 unless told otherwise; any address that is not loopback is an
+    explicit opt-in and logs a warning. The limits are described in the module docstring.
     """
 
     def __init__(self, runtime: "EplbRuntime", metrics: "EplbMetrics | None" = None,
                  host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 token_file: str | os.PathLike | None = None, max_body: int = MAX_BODY):
+                 token_file: str | os.PathLike | None = None, max_body: int = MAX_BODY, *,
+                 max_request_line: int = MAX_REQUEST_LINE, max_header_bytes: int = MAX_HEADER_BYTES,
+                 request_timeout: float = REQUEST_TIMEOUT, max_connections: int = MAX_CONNECTIONS):
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in 0..65535, got {port!r}")
+        if not isinstance(host, str) or not host.strip():
+            raise ValueError(f"host must be an address; got {host!r} (pass '0.0.0.0' explicitly "
+                             "to listen on every interface)")
+        self.max_body = _positive("max_body", max_body)
+        self.max_request_line = _positive("max_request_line", max_request_line)
+        self.max_header_bytes = _positive("max_header_bytes", max_header_bytes)
+        self.request_timeout = float(_positive("request_timeout", request_timeout, float))
+        self.max_connections = _positive("max_connections", max_connections)
         self.runtime = runtime
         self.registry = getattr(metrics, "registry", metrics)
         self.host, self.port = host, port
         self.token = load_token(token, token_file)
-        self.max_body = max_body
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        if not is_loopback(host):
+            log.warning(
+                "eplb server will listen on %s, which is not a loopback address: GET /metrics, "
+                "/healthz and /placement are readable by anyone who can reach it, and the "
+                "bearer token travels in clear text (plain HTTP); %s", host,
+                "POST /rebalance needs that token" if self.token is not None
+                else "no token is configured, so POST /rebalance is refused")
 
     @property
     def url(self) -> str:
@@ -130,6 +194,7 @@ class EplbServer:
             return self
         httpd = _Server((self.host, self.port), _Handler, ipv6=":" in self.host)
         httpd.eplb = self
+        httpd.slots = threading.BoundedSemaphore(self.max_connections)
         self.port = httpd.server_address[1]
         self._httpd = httpd
         self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
@@ -155,29 +220,126 @@ class EplbServer:
         self.stop()
 
 
+_BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+         b"Content-Length: 41\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+         b'{"error": "too many connections at once"}')
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    block_on_close = False  # stop() does not wait for slow clients (their threads are daemons)
     allow_reuse_address = True
     eplb: EplbServer
+    slots: threading.BoundedSemaphore  # one per connection being served
 
     def __init__(self, address, handler, ipv6: bool = False):
         if ipv6:
             self.address_family = socket.AF_INET6
         super().__init__(address, handler)
 
+    def process_request(self, request, client_address) -> None:
+        """A thread per connection, at most `max_connections` at once; beyond that a fixed
+        503 is written from the accept loop (a few bytes, no thread) and the socket closed."""
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.settimeout(0.5)
+                request.sendall(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
     def handle_error(self, request, client_address) -> None:  # no tracebacks on stderr
         log.debug("eplb server: error while handling a request from %s", client_address,
                   exc_info=True)
+
+
+class _HeadersTooLarge(Exception):
+    pass
+
+
+class _HeaderBudget:
+    """A file wrapper for header parsing: `readline` fails with _HeadersTooLarge once the
+    lines read exceed `limit` bytes in all (the stdlib allows 100 lines of 64 KiB)."""
+
+    def __init__(self, f, limit: int):
+        self._f, self.left = f, limit
+
+    def readline(self, size: int = -1) -> bytes:
+        cap = self.left + 1 if size is None or size < 0 else min(size, self.left + 1)
+        line = self._f.readline(cap)
+        self.left -= len(line)
+        if self.left < 0:
+            raise _HeadersTooLarge
+        return line
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """The socket as a raw stream whose reads fail with TimeoutError once `deadline`
+    (time.monotonic) has passed, so a client that trickles bytes cannot hold a
+    connection longer than the request timeout; each read also waits at most `idle` s."""
+
+    def __init__(self, sock: socket.socket, deadline: float, idle: float):
+        super().__init__()
+        self._sock, self._deadline, self._idle = sock, deadline, idle
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive within the request timeout")
+        self._sock.settimeout(min(left, self._idle))
+        return self._sock.recv_into(b)
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     server_version = "eplb"
     sys_version = ""
-    timeout = 10  # seconds a client may stall mid-request before the socket is closed
+    timeout = 10  # seconds one read or write may stall before the socket is closed
     protocol_version = "HTTP/1.0"  # one request per connection
 
     # ---- plumbing -----------------------------------------------------------------
+    def setup(self) -> None:
+        super().setup()
+        deadline = time.monotonic() + self.server.eplb.request_timeout
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, deadline, self.timeout))
+
+    def parse_request(self) -> bool:
+        """The stdlib's parsing with tighter limits on the request line and the headers."""
+        srv = self.server.eplb
+        if len(self.raw_requestline) > srv.max_request_line:
+            self.requestline, self.request_version, self.command = "", "HTTP/1.0", ""
+            self.send_error(414, f"request line too long (at most {srv.max_request_line} bytes)")
+            return False
+        rfile = self.rfile
+        self.rfile = _HeaderBudget(rfile, srv.max_header_bytes)
+        try:
+            return super().parse_request()
+        except _HeadersTooLarge:
+            self.command = ""
+            self.send_error(431, f"request headers too large (at most {srv.max_header_bytes} "
+                                 "bytes in all)")
+            return False
+        finally:
+            self.rfile = rfile
+
     def version_string(self) -> str:
         return self.server_version
 
@@ -187,9 +349,12 @@ class _Handler(BaseHTTPRequestHandler):
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """Malformed requests caught by the stdlib (bad request line, 414, 431, 501): JSON."""
         self.close_connection = True
-        if self.request_version == "HTTP/0.9":  # unparsable request line: answer with a status line
-            self.request_version = "HTTP/1.0"
+        if getattr(self, "request_version", "HTTP/0.9") == "HTTP/0.9":
+            self.request_version = "HTTP/1.0"  # unparsable request line: answer with a status line
+        if not hasattr(self, "command"):
+            self.command = ""
         try:
+            self.connection.settimeout(self.timeout)
             self._json(code, {"error": message or HTTPStatus(code).phrase})
         except OSError:
             pass
@@ -268,9 +433,29 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
+    def _authorized(self) -> bool:
+        """The bearer token check of every state-changing request, before routing: False
+        after answering 403 (no token configured) or 401 (missing or wrong token)."""
+        srv = self.server.eplb
+        if srv.token is None:
+            self._error(403, "state-changing requests are disabled: no token is configured "
+                             "(set EPLB_TOKEN or EPLB_TOKEN_FILE on the job)")
+            return False
+        scheme, _, credentials = self.headers.get("Authorization", "").strip().partition(" ")
+        given = credentials.strip() if scheme.lower() == "bearer" else ""
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
+                                   srv.token.encode("utf-8")):
+            self._error(401, "missing or wrong bearer token",
+                        {"WWW-Authenticate": 'Bearer realm="eplb"'})
+            return False
+        return True
+
     def _dispatch(self, method: str) -> None:
         try:
             if self._read_body() is None:
+                return
+            self.connection.settimeout(self.timeout)  # the request is in: writes get the idle timeout
+            if method in STATE_CHANGING and not self._authorized():
                 return
             path = urllib.parse.urlsplit(self.path).path
             if path != "/":
@@ -338,18 +523,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, d)
 
     def _rebalance(self) -> None:
-        srv = self.server.eplb
-        if srv.token is None:
-            self._error(403, "the rebalance trigger is disabled: no token is configured "
-                             "(set EPLB_TOKEN or EPLB_TOKEN_FILE on the job)")
-            return
-        scheme, _, credentials = self.headers.get("Authorization", "").strip().partition(" ")
-        given = credentials.strip() if scheme.lower() == "bearer" else ""
-        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
-                                   srv.token.encode("utf-8")):
-            self._error(401, "missing or wrong bearer token",
-                        {"WWW-Authenticate": 'Bearer realm="eplb"'})
-            return
+        srv = self.server.eplb  # _dispatch authorized this POST already
         rt = srv.runtime
         if not rt.config.control_interval:
             self._error(409, "this runtime never serves rebalance requests (control_interval=0)")
@@ -365,6 +539,10 @@ class _Handler(BaseHTTPRequestHandler):
         if status is None:
             self._error(404, f"no rebalance request with id {rid}")
             return
+        if status.get("error"):  # the reason of a failure: one bounded line, never a traceback
+            text = " ".join(str(status["error"]).split())
+            status = dict(status, error=text if len(text) <= _ERROR_TEXT_LIMIT
+                          else text[:_ERROR_TEXT_LIMIT - 3] + "...")
         self._json(200, status)
 
 

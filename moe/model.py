@@ -133,33 +133,87 @@ class MoEModel(nn.Module):
         self.logical_replica_cdf = logical_replica_cdf
 
     def update_physical_experts_metadata(self, num_physical_experts: int,
-                                         num_local_physical_experts: int) -> None:
-        """Record a new slot count (elastic resize). Nothing is re-allocated: the local
-        slot tensors keep their S rows, so `num_local_physical_experts` must stay S.
+                                         num_local_physical_experts: int, *,
+                                         reallocate: bool = False) -> None:
+        """Record a new slot count P / slots per rank S (elastic resize, `eplb.resize`).
 
-        When P changes, the layers drop their routing state; the runtime must then
-        redistribute the expert weights, call `set_eplb_state` with [L, P_new] tensors
-        and give the layers an EP group of P_new / S ranks before the next forward.
+        When S differs from the slots allocated, or `reallocate` is set, every layer gets
+        fresh zero slot tensors `w13 [S, 2I, H]`, `w2 [S, H, I]` (new storage: views of the
+        old ones, and CUDA graphs captured over them, are stale and must be re-created) and
+        `expert_weights` lists them; the caller fills them before the next forward. The old
+        tensors stay alive as long as the caller holds references (a resize reads them while
+        it fills the new ones). Otherwise the slot tensors are kept as they are.
+
+        When P or the storage changes, the layers drop their routing state: the caller must
+        fill the slots, call `set_expert_parallel_group` with a group of P / S ranks and
+        `set_eplb_state` with [L, P] tensors (a fresh EplbRuntime does) before the next forward.
         """
-        S = self.moe_layers[0].experts.num_slots
-        if num_local_physical_experts != S:
-            raise ValueError(f"num_local_physical_experts: {num_local_physical_experts} != the "
-                             f"{S} slots allocated per rank; re-allocation is not supported")
-        if num_physical_experts < self.num_logical_experts or num_physical_experts % S:
-            raise ValueError(f"num_physical_experts: {num_physical_experts} must be a multiple "
-                             f"of {S} and >= num_logical_experts ({self.num_logical_experts})")
-        changed = num_physical_experts != self.num_physical_experts
-        self.num_physical_experts = num_physical_experts
-        self.num_local_physical_experts = num_local_physical_experts
-        self.num_redundant_experts = num_physical_experts - self.num_logical_experts
+        for name, value in (("num_physical_experts", num_physical_experts),
+                            ("num_local_physical_experts", num_local_physical_experts)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an int >= 1, got {value!r}")
+        P, S = num_physical_experts, num_local_physical_experts
+        if P < self.num_logical_experts or P % S:
+            raise ValueError(f"num_physical_experts: {P} must be a multiple of "
+                             f"num_local_physical_experts ({S}) and >= num_logical_experts "
+                             f"({self.num_logical_experts})")
+        allocated = self.moe_layers[0].experts.num_slots
+        reallocate = bool(reallocate) or S != allocated
+        changed = reallocate or P != self.num_physical_experts
+        if reallocate:
+            for layer in self.moe_layers:
+                experts = layer.experts
+                w13, w2 = experts.w13, experts.w2  # [S_old, 2I, H], [S_old, H, I]
+                experts.w13 = nn.Parameter(w13.new_zeros((S, *w13.shape[1:])), requires_grad=False)
+                experts.w2 = nn.Parameter(w2.new_zeros((S, *w2.shape[1:])), requires_grad=False)
+            self.expert_weights[:] = [list(layer.get_expert_weights()) for layer in self.moe_layers]
+        self.num_physical_experts = P
+        self.num_local_physical_experts = S
+        self.num_redundant_experts = P - self.num_logical_experts
         for layer in self.moe_layers:
-            layer.num_physical_experts = num_physical_experts
-            layer.num_local_physical_experts = num_local_physical_experts
+            layer.num_physical_experts = P
+            layer.num_local_physical_experts = S
             if changed:
                 layer.expert_load_view = None
                 layer.logical_to_physical_map = None
                 layer.logical_replica_count = None
                 layer.logical_replica_cdf = None
+
+    def set_expert_parallel_group(self, group: dist.ProcessGroup | None) -> None:
+        """Make `group` the EP group (after `update_physical_experts_metadata`, in a resize):
+        rank r of it holds slots [r*S, (r+1)*S). None: one process holding all P slots.
+        Every layer communicates over it from the next forward on."""
+        size = dist.get_world_size(group) if group is not None else 1
+        rank = dist.get_rank(group) if group is not None else 0
+        if rank < 0:
+            raise ValueError("group: this process is not a member of it")
+        if size * self.num_local_physical_experts != self.num_physical_experts:
+            raise ValueError(f"group: {size} ranks x {self.num_local_physical_experts} local slots "
+                             f"!= num_physical_experts ({self.num_physical_experts})")
+        self.group, self.ep_size, self.ep_rank = group, size, rank
+        for layer in self.moe_layers:
+            layer.group = group
+
+    def release_expert_slots(self) -> None:
+        """Leave expert parallelism (a rank a resize shrinks away): every layer's slot
+        tensors become empty `[0, ...]` (their memory is freed once nothing else holds
+        them), the group and the routing state are dropped, so forward raises until
+        `update_physical_experts_metadata` and a resize give this rank slots again."""
+        for layer in self.moe_layers:
+            experts = layer.experts
+            experts.w13 = nn.Parameter(experts.w13.new_zeros((0, *experts.w13.shape[1:])),
+                                       requires_grad=False)
+            experts.w2 = nn.Parameter(experts.w2.new_zeros((0, *experts.w2.shape[1:])),
+                                      requires_grad=False)
+            layer.group = None
+            layer.num_local_physical_experts = 0
+            layer.expert_load_view = None
+            layer.logical_to_physical_map = None
+            layer.logical_replica_count = None
+            layer.logical_replica_cdf = None
+        self.expert_weights[:] = [list(layer.get_expert_weights()) for layer in self.moe_layers]
+        self.group, self.ep_size, self.ep_rank = None, 1, 0
+        self.num_local_physical_experts = 0
 
     # ---- workload knobs ----------------------------------------------------------
     @torch.no_grad()

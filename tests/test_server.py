@@ -1,6 +1,10 @@
 """EplbServer over real HTTP on 127.0.0.1 with a single-process runtime stepping in a
 background thread: health, placement, metrics, the authenticated trigger (401 and 403
-change nothing), request status, error codes, and `eplb trigger` against the live server."""
+change nothing), request status, error codes, and `eplb trigger` against the live server.
+Hardening: the token on every state-changing method and path, loopback by default (a
+warning otherwise), limits on the request line, headers, body and connections, slow
+clients cut off, no stack traces or exception text in responses. Every socket here is on
+127.0.0.1 and every loop is bounded."""
 from __future__ import annotations
 
 import http.client
@@ -22,7 +26,7 @@ from _dist import free_port
 from eplb.cli import main
 from eplb.metrics import EplbMetrics
 from eplb.server import EplbServer, load_token
-from test_metrics import Boom, make_runtime, skewed_pass
+from test_metrics import break_rebalances, make_runtime, skewed_pass
 
 TOKEN = "test-token-0123456789"
 DEADLINE = 10.0  # seconds any bounded wait in this file may take at most
@@ -31,10 +35,12 @@ DEADLINE = 10.0  # seconds any bounded wait in this file may take at most
 class Job:
     """A runtime stepping in a background thread (as a serving loop would) plus its server."""
 
-    def __init__(self, token: str | None = TOKEN, step_loop: bool = True, **config):
+    def __init__(self, token: str | None = TOKEN, step_loop: bool = True,
+                 server_kw: dict | None = None, **config):
         self.runtime = make_runtime(**{"control_interval": 2, **config})
         self.metrics = EplbMetrics(self.runtime, interval=2)
-        self.server = EplbServer(self.runtime, self.metrics, port=0, token=token).start()
+        self.server = EplbServer(self.runtime, self.metrics, port=0, token=token,
+                                 **(server_kw or {})).start()
         self.errors: list[BaseException] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True) if step_loop else None
@@ -176,8 +182,8 @@ def test_post_with_token_rebalances(job):
     assert job.errors == []
 
 
-def test_failed_rebalance_is_reported(job):
-    job.runtime.executor = Boom()
+def test_failed_rebalance_is_reported(job, monkeypatch):
+    break_rebalances(monkeypatch)
     status, _, d = post_rebalance(job.server)
     assert status == 202
     failed = wait_state(job.server, d["id"])
@@ -204,11 +210,12 @@ def test_no_token_configured_refuses_post(monkeypatch):
 
 def test_error_codes_are_json(job):
     srv = job.server
+    auth = {"Authorization": f"Bearer {TOKEN}"}  # state-changing methods are checked first
     for method, path, code in (("GET", "/nope", 404), ("GET", "/rebalance/999999", 404),
                                ("GET", "/rebalance/abc", 404), ("POST", "/healthz/x", 404),
                                ("POST", "/metrics", 405), ("GET", "/rebalance", 405),
                                ("DELETE", "/healthz", 405), ("PUT", "/rebalance", 405)):
-        status, headers, body = request(srv, method, path)
+        status, headers, body = request(srv, method, path, headers=auth if method != "GET" else None)
         assert status == code, (method, path, status)
         assert headers["content-type"] == "application/json"
         d = json.loads(body)
@@ -296,7 +303,7 @@ def test_trigger_cli(job, capsys, tmp_path, monkeypatch):
     code, _, err = run_cli(["trigger", "127.0.0.1:9400", "--token", TOKEN], capsys)
     assert code == 2 and "http://" in err
     # a failed rebalance: exit 1 with the reason
-    job.runtime.executor = Boom()
+    break_rebalances(monkeypatch)
     code, out, err = run_cli(["trigger", url, "--token", TOKEN, "--wait", str(DEADLINE)], capsys)
     assert code == 1 and out.splitlines()[1].startswith("failed at step ") and "transfer failed" in out
 
@@ -368,3 +375,199 @@ def test_demo_serves_metrics_then_holds(tmp_path, monkeypatch):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+# ---- hardening ------------------------------------------------------------------------
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def read_until_closed(sock: socket.socket, limit: float = DEADLINE) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and when it closed
+    (seconds from now); fails the test if it is still open after `limit` seconds."""
+    t0, reply = time.monotonic(), b""
+    sock.settimeout(limit)
+    try:
+        while chunk := sock.recv(65536):
+            reply += chunk
+    except ConnectionResetError:
+        pass
+    return reply, time.monotonic() - t0
+
+
+def test_every_state_changing_method_needs_the_token(job):
+    srv, rt = job.server, job.runtime
+    for method in ("POST", "PUT", "DELETE", "PATCH"):
+        for path in ("/rebalance", "/healthz", "/metrics", "/nope", "/rebalance/1", "/"):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+                status, h, body = request(srv, method, path, headers=headers)
+                assert status == 401, (method, path, headers, status)
+                assert json.loads(body) == {"error": "missing or wrong bearer token"}
+                assert h["www-authenticate"].startswith("Bearer")
+    # with the token the route decides: only POST /rebalance changes anything
+    for method, path, code in (("PATCH", "/healthz", 405), ("DELETE", "/nope", 404),
+                               ("PUT", "/rebalance", 405)):
+        assert request(srv, method, path, headers=AUTH)[0] == code
+    # reading needs no token and changes nothing
+    assert request(srv, "GET", "/healthz")[0] == 200
+    assert request(srv, "HEAD", "/placement")[0] == 200
+    assert request(srv, "OPTIONS", "/rebalance")[0] == 405
+    job.wait_steps(3 * rt.config.control_interval)
+    assert rt.events == [] and not rt.requests.has_pending()
+
+
+def test_no_token_configured_refuses_every_state_changing_method(monkeypatch):
+    monkeypatch.delenv("EPLB_TOKEN", raising=False)
+    monkeypatch.delenv("EPLB_TOKEN_FILE", raising=False)
+    j = Job(token=None, step_loop=False)
+    try:
+        for method in ("POST", "PUT", "DELETE", "PATCH"):
+            for headers in ({}, AUTH):
+                status, _, body = request(j.server, method, "/healthz", headers=headers)
+                assert status == 403 and "no token is configured" in json.loads(body)["error"]
+        assert not j.runtime.requests.has_pending()
+    finally:
+        j.close()
+
+
+def test_binds_loopback_by_default_and_warns_otherwise(caplog):
+    rt = make_runtime()
+    with EplbServer(rt) as srv:
+        assert srv.host == "127.0.0.1" and srv._httpd.server_address[0] == "127.0.0.1"
+        assert request(srv, "GET", "/healthz")[0] == 200
+    with caplog.at_level("WARNING", logger="eplb.server"):
+        for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+            EplbServer(rt, host=host)  # loopback: no warning (never started)
+        assert caplog.records == []
+        for host in ("0.0.0.0", "::", "192.0.2.1"):  # explicit opt-in: warned (never started)
+            EplbServer(rt, host=host, token=TOKEN)
+    assert len(caplog.records) == 3
+    assert all("not a loopback address" in r.getMessage() and "clear text" in r.getMessage()
+               for r in caplog.records)
+    for host in ("", "  ", None):
+        with pytest.raises(ValueError, match="host must be an address"):
+            EplbServer(rt, host=host)
+    for kw, name in ((dict(max_body=0), "max_body"), (dict(request_timeout=-1.0), "request_timeout"),
+                     (dict(max_connections=True), "max_connections"),
+                     (dict(max_header_bytes=1.5), "max_header_bytes")):
+        with pytest.raises(ValueError, match=name):
+            EplbServer(rt, **kw)
+
+
+def test_request_line_header_and_body_limits(job):
+    srv = job.server
+    status, _, body = request(srv, "GET", "/healthz?" + "a" * 3000)
+    assert status == 414 and "request line too long" in json.loads(body)["error"]
+    assert request(srv, "GET", "/healthz?" + "a" * 1900)[0] == 200
+    many = {f"X-Pad-{i}": "v" * 100 for i in range(100)}  # ~11 KB of headers in all
+    status, _, body = request(srv, "GET", "/healthz", headers=many)
+    assert status == 431 and "request headers too large" in json.loads(body)["error"]
+    status, _, _ = request(srv, "GET", "/healthz", headers={"X-Big": "v" * 9000})  # one long line
+    assert status == 431
+    assert request(srv, "GET", "/healthz", headers={f"X-Pad-{i}": "v" * 100 for i in range(40)})[0] == 200
+    # bodies: over max_body is 413 whatever the method (read or not), chunked is 411
+    status, _, body = request(srv, "GET", "/healthz", body=b"x" * 5000)
+    assert status == 413 and "too large" in json.loads(body)["error"]
+    status, _, body = request(srv, "POST", "/rebalance", body=b"x" * 4097, headers=AUTH)
+    assert status == 413
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=DEADLINE)
+    conn.request("POST", "/rebalance", body=iter([b"abc"]), headers=AUTH, encode_chunked=True)
+    r = conn.getresponse()
+    assert r.status == 411 and "Content-Length" in json.loads(r.read())["error"]
+    conn.close()
+    assert not job.runtime.requests.has_pending() and job.runtime.events == []
+
+
+class _Exploding:
+    """A runtime whose every attribute raises with text that must never reach a client."""
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"SECRET-internal-detail /home/user/.eplb/token ({name})")
+
+
+def test_no_stack_traces_or_exception_text_in_responses():
+    j = Job(step_loop=False)
+    try:
+        srv = j.server
+        # a failed rebalance's reason: one line, bounded, no traceback
+        rid = j.runtime.requests.request("http")
+        j.runtime.requests.start(7)
+        j.runtime.requests.finish([rid], error="RebalanceError: " + "x" * 1000 +
+                                  '\nTraceback (most recent call last):\n  File "eplb/x.py"')
+        status, d = get_json(srv, f"/rebalance/{rid}")
+        assert status == 200 and d["state"] == "failed"
+        assert "\n" not in d["error"] and len(d["error"]) <= 300 and d["error"].endswith("...")
+        # internal errors: a fixed message, nothing from the exception
+        srv.runtime = _Exploding()
+        for method, path, headers in (("GET", "/healthz", None), ("GET", "/placement", None),
+                                      ("POST", "/rebalance", AUTH), ("GET", "/rebalance/1", None)):
+            status, h, body = request(srv, method, path, headers=headers)
+            assert status == 500 and h["content-type"] == "application/json", (method, path)
+            assert json.loads(body) == {"error": "internal error (see the server log)"}
+            for leak in (b"SECRET", b"Traceback", b"RuntimeError", b".py", b"token ("):
+                assert leak not in body
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=DEADLINE) as s:
+            s.sendall(b"GET / HTTP/9.9\r\n\r\n")  # the stdlib's own error path
+            reply, _ = read_until_closed(s)
+        assert reply.startswith(b"HTTP/1.0 505") and b'{"error": ' in reply
+        assert b"Traceback" not in reply and b"File " not in reply
+        assert b"Server: eplb\r\n" in reply  # no Python or OS version either
+    finally:
+        j.close()
+
+
+def test_slow_clients_are_cut_off():
+    j = Job(step_loop=False, server_kw=dict(request_timeout=0.5))
+    try:
+        port = j.server.port
+        with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as idle:
+            reply, seconds = read_until_closed(idle)  # sends nothing at all
+        assert reply == b"" and seconds < 4
+        # slowloris: a header byte every 0.1 s would keep a per-read timeout happy forever
+        with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as slow:
+            slow.sendall(b"GET /healthz HTTP/1.0\r\n")
+            t0, closed = time.monotonic(), False
+            for _ in range(60):  # at most 6 s
+                try:
+                    slow.sendall(b"X")
+                except (BrokenPipeError, ConnectionResetError):
+                    closed = True
+                    break
+                slow.settimeout(0.1)
+                try:
+                    if slow.recv(1) == b"":
+                        closed = True
+                        break
+                except socket.timeout:
+                    pass
+                except ConnectionResetError:
+                    closed = True
+                    break
+            elapsed = time.monotonic() - t0
+        assert closed and 0.3 < elapsed < 4, elapsed
+        assert request(j.server, "GET", "/healthz")[0] == 200  # the server is fine
+    finally:
+        j.close()
+
+
+def test_connection_limit_answers_503():
+    j = Job(step_loop=False, server_kw=dict(max_connections=2, request_timeout=5.0))
+    try:
+        port = j.server.port
+        holders = [socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) for _ in range(2)]
+        for h in holders:
+            h.sendall(b"GET /healthz HTTP/1.0\r\n")  # an unfinished request holds a connection
+        with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE) as third:
+            reply, _ = read_until_closed(third)
+        assert reply.startswith(b"HTTP/1.0 503") and reply.endswith(b'{"error": "too many connections at once"}')
+        for h in holders:
+            h.close()
+        deadline = time.monotonic() + DEADLINE
+        while True:  # the held slots come back once their clients are gone
+            status = request(j.server, "GET", "/healthz")[0]
+            if status == 200:
+                break
+            assert status == 503 and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        j.close()
