@@ -183,7 +183,9 @@ class PlacementChange:
         for a round trip; every rank acts on the same agreed values, one step later."""
         self.steps += 1
         try:
-            if not self.pipelined:
+            if self.num_ranks == 1:  # a one-rank group asks no one (group None = the world)
+                agreed = self._local_state()
+            elif not self.pipelined:
                 agreed = agree_min(self._local_state(), self.control_group)
             elif self._pending is None:  # the first boundary only starts an agreement
                 self._pending = PendingMin(self._local_state(), self.control_group)
@@ -208,7 +210,7 @@ class PlacementChange:
         if self.finished:
             if self.t_end is None:
                 self.t_end = time.perf_counter()
-        elif self.pipelined:  # every rank takes this branch at the same boundary
+        elif self.pipelined and self.num_ranks > 1:  # every rank takes this branch together
             try:
                 self._pending = PendingMin(self._local_state(), self.control_group)
             except Exception as e:  # noqa: BLE001

@@ -71,6 +71,8 @@ class RebalanceEvent:
 
 
 class EplbRuntime:
+    MAX_EVENTS = 1000  # `events` keeps the newest this many RebalanceEvents
+
     def __init__(self, model: MixtureOfExperts, config: EplbConfig | None = None,
                  group: dist.ProcessGroup | None = None):
         missing = missing_members(model)
@@ -136,8 +138,8 @@ class EplbRuntime:
             self._plan_group = control_group(group, self.config.transfer_timeout)
             self._transfer_group = self._new_transfer_group()
         # collective (IPC: every rank maps its peers' expert tensors once)
-        self.transport = make_transport(self.config.transport, self.expert_weights,
-                                        self._transfer_group)
+        self.transport = make_transport(self.config.transport if self.world_size > 1 else "nccl",
+                                        self.expert_weights, self._transfer_group)
         if self.rank == 0 and self.config.async_rebalance:
             self._warm_up_planner()
         self._change: PlacementChange | None = None  # the rebalance in flight (async mode)
@@ -225,12 +227,16 @@ class EplbRuntime:
         if self._change is not None:
             return self._advance()
         interval, control = self.config.rebalance_interval, self.config.control_interval
-        if control and self.steps % control == 0 and agree(self.requests.has_pending(),
-                                                            self._control_group):
+        if control and self.steps % control == 0 and self._agree_requested():
             return self._start("request", self.requests.start(self.steps))
         if interval and self.steps % interval == 0:
             return self._start("interval")
         return None
+
+    def _agree_requested(self) -> bool:
+        """Whether any rank of the group holds a request (a one-rank group asks no one)."""
+        pending = self.requests.has_pending()
+        return pending if self.world_size == 1 else agree(pending, self._control_group)
 
     def rebalance(self, trigger: str = "api") -> RebalanceEvent | None:
         """Plan on the recorded window and move weights (collective over the group).
@@ -466,6 +472,7 @@ class EplbRuntime:
             seconds_commit=change.seconds_switch, placement=new, steps_in_flight=change.steps,
         )
         self.events.append(event)
+        del self.events[:-self.MAX_EVENTS]  # the newest MAX_EVENTS: bounded memory in long jobs
         if self.rank == 0:
             log.info("rebalance at step %d (%s): balancedness %.4f -> %.4f, %d experts moved "
                      "(%.1f MB) in %.3f s%s", event.step, event.trigger,

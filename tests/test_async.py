@@ -187,3 +187,47 @@ def test_config_fields():
         with pytest.raises(ValueError, match=next(iter(bad))):
             EplbConfig(**bad).verify(8, 2, 8)
 
+
+
+def test_runtime_keeps_the_newest_events_only():
+    from moe import MoEModel
+
+    args = _args(num_layers=1, num_redundant_experts=0)
+    runtime = EplbRuntime(MoEModel(args), EplbConfig(rebalance_interval=0))
+    runtime.MAX_EVENTS = 3
+    placement = runtime.placement
+    for i in range(5):
+        runtime.apply_placement(placement, trigger=f"t{i}")
+    assert [e.trigger for e in runtime.events] == ["t2", "t3", "t4"]
+
+
+def _one_rank_groups_body(rank, world):
+    """Each rank runs its own one-rank EP group inside a larger world: its runtime talks to
+    no one (no agreement, transport vote or broadcast leaks onto the world group)."""
+    from moe import DenseMoEModel, MoEModel, sample_tokens
+
+    groups = [dist.new_group([r]) for r in range(world)]  # collective: every rank, same order
+    mine = groups[rank]
+    args = _args(num_layers=2, num_redundant_experts=4)
+    model = MoEModel(args, group=mine)
+    runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=4, window_size=2,
+                                            rebalance_interval=2 + rank, control_interval=1,
+                                            move_tolerance=0.0, transport="auto",
+                                            async_rebalance=rank == 1), group=mine)
+    reference = DenseMoEModel(args)
+    for step in range(12):  # the ranks rebalance at different steps
+        bias = _skewed_bias(step, args.num_layers, args.num_experts)
+        model.set_routing_bias(bias)
+        reference.set_routing_bias(bias)
+        x = sample_tokens(args, 32, seed=step)
+        torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
+        runtime.step()
+    runtime.finish_rebalance()
+    check_committed(args, runtime, torch.device("cpu"))
+    assert runtime.events
+
+
+def test_one_rank_ep_groups_inside_a_larger_world():
+    if device_for(0).type == "cuda":
+        pytest.skip("one-rank CPU groups; runs on gloo")
+    run_distributed(_one_rank_groups_body, 2, timeout=120)
