@@ -215,7 +215,8 @@ class Run:
         dist.all_reduce(logical, group=self.group)
         return {"seconds": seconds.cpu().numpy(), "flags": flags.cpu().numpy(),
                 "gpu_load": gpu_load.cpu().numpy(), "logical": logical.cpu().numpy(),
-                "moves": moves, "step_call": step_call}
+                "moves": moves, "step_call": step_call,
+                "events": [e.summary() for e in runtime.events]}
 
     def oracle_plans(self, logical: np.ndarray) -> dict[int, Placement]:  # step -> placement
         """At each interval start, plan on the realised load [steps in the interval, L, N]."""
@@ -255,6 +256,11 @@ def summarize(a: argparse.Namespace, run: Run, results: dict[str, dict]) -> dict
             "rebalances": int(flags[:, 0].sum()),
             "experts_moved": int(r["moves"][timed, 0].sum()),
             "rebalance_seconds": float(r["moves"][timed, 1].sum()),
+            # rank 0's step loop, per rebalance event (asynchronous mode: advance() calls)
+            "step_loop_ms_max": 1e3 * max((e["max_step_loop_seconds"] for e in r["events"]), default=0.0),
+            "step_loop_ms_total": 1e3 * sum(e["seconds_step_loop"] for e in r["events"]),
+            "agree_wait_ms_total": 1e3 * sum(e["seconds_agree_wait"] for e in r["events"]),
+            "switch_ms_total": 1e3 * sum(e["seconds_commit"] for e in r["events"]),
         }
     return out
 
@@ -298,6 +304,11 @@ def report(a: argparse.Namespace, run: Run, summary: dict, seconds_total: float)
                   f"{s['step_call_ms_median_no_rebalance']:.3f} ms with no rebalance in flight, "
                   f"{s['step_call_ms_median_in_flight']:.3f} ms with one, max "
                   f"{s['step_call_ms_max_in_flight']:.3f} ms")
+            if a.mode == "async":
+                print(f"  rebalance work in the step loop (rank 0, all rebalances): "
+                      f"{s['step_loop_ms_total']:.2f} ms in total, longest step "
+                      f"{s['step_loop_ms_max']:.3f} ms; of the total: waiting for agreements "
+                      f"{s['agree_wait_ms_total']:.2f} ms, switching layers {s['switch_ms_total']:.2f} ms")
 
 
 def worker(a: argparse.Namespace) -> int:

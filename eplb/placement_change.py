@@ -109,6 +109,11 @@ class PlacementChange:
         self.steps = 0  # advance() calls (step boundaries) the change took
         self.seconds_plan = 0.0
         self.seconds_switch = 0.0  # time spent switching layers on the caller's thread
+        # the step loop's share (asynchronous mode): host time inside advance(), its
+        # longest single call, and the part spent waiting for the agreement
+        self.seconds_step_loop = 0.0
+        self.max_step_loop = 0.0
+        self.seconds_agree_wait = 0.0
         self.t_start = time.perf_counter()
         self.t_end: float | None = None
 
@@ -181,7 +186,20 @@ class PlacementChange:
         Asynchronous mode pipelines the agreement: the all-reduce started at one boundary
         (gloo, in its own thread) is read at the next one, so the step loop does not wait
         for a round trip; every rank acts on the same agreed values, one step later."""
+        t0 = time.perf_counter()
+        try:
+            return self._advance()
+        finally:
+            self.charge_step_loop(time.perf_counter() - t0)
+
+    def charge_step_loop(self, seconds: float) -> None:
+        """Count `seconds` of the step loop's time against this change."""
+        self.seconds_step_loop += seconds
+        self.max_step_loop = max(self.max_step_loop, seconds)
+
+    def _advance(self) -> bool:
         self.steps += 1
+        t_agree = time.perf_counter()
         try:
             if self.num_ranks == 1:  # a one-rank group asks no one (group None = the world)
                 agreed = self._local_state()
@@ -192,6 +210,7 @@ class PlacementChange:
                 return False
             else:
                 agreed, self._pending = self._pending.result(), None
+            self.seconds_agree_wait += time.perf_counter() - t_agree
         except Exception as e:  # noqa: BLE001
             self._stop_thread()
             raise EplbFatalError(

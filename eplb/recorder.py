@@ -68,8 +68,10 @@ class LoadRecorder:
                                           device=age.device), age)  # [W]
             logical = torch.tensordot(weight, self.logical_ring.to(torch.float64), dims=1)  # [L, N]
         n_gpu = min(self.gpu_steps, W)
-        idx = [(self.steps_recorded - 1 - k) % W for k in range(n_gpu)]
-        gpu = self.gpu_ring[idx].sum(0) if idx else torch.zeros_like(self.gpu_ring[0])  # [L, M]
+        # ring entries of the last n_gpu steps, indexed on the device (no host-to-device copy,
+        # which would wait for the work queued on the stream)
+        idx = (self.steps_recorded - 1 - torch.arange(n_gpu, device=self.gpu_ring.device)) % W  # [n]
+        gpu = self.gpu_ring.index_select(0, idx).sum(0)  # [L, M] (zeros when n_gpu == 0)
         both = torch.cat([logical, gpu.to(logical.dtype)], dim=1)  # [L, N + M]
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(both, group=group)

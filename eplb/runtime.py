@@ -52,6 +52,11 @@ class RebalanceEvent:
     seconds_commit: float  # time the step loop spent switching layers (writes + maps)
     placement: Placement = field(repr=False)
     steps_in_flight: int = 0  # step boundaries the change spanned (asynchronous mode)
+    # what the change cost the step loop (host time): in total, its longest single step
+    # boundary, and the part of the total spent waiting for agreements
+    seconds_step_loop: float = 0.0
+    max_step_loop_seconds: float = 0.0
+    seconds_agree_wait: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -67,6 +72,9 @@ class RebalanceEvent:
             "slots_changed": self.slots_changed, "bytes_moved": self.bytes_moved,
             "seconds_plan": self.seconds_plan, "seconds_transfer": self.seconds_transfer,
             "seconds_commit": self.seconds_commit, "steps_in_flight": self.steps_in_flight,
+            "seconds_step_loop": self.seconds_step_loop,
+            "max_step_loop_seconds": self.max_step_loop_seconds,
+            "seconds_agree_wait": self.seconds_agree_wait,
         }
 
 
@@ -257,12 +265,13 @@ class EplbRuntime:
 
     def _start(self, trigger: str, request_ids: list[int] | None = None) -> RebalanceEvent | None:
         """Begin a rebalance planned on the recorded window (rank 0 plans, then broadcasts)."""
+        t_start = time.perf_counter()
         logical, gpu = self.recorder.window_load(self.group, decay=self.config.load_decay)  # [L, N], [L, M]
         window_done = None
         if self.device.type == "cuda" and self.config.async_rebalance:
             window_done = torch.cuda.Event()
             window_done.record(torch.cuda.current_stream(self.device))
-        info = {"request_ids": request_ids or []}
+        info = {"request_ids": request_ids or [], "t_start": t_start}
 
         def plan_fn() -> Placement:
             t0 = time.perf_counter()
@@ -364,6 +373,7 @@ class EplbRuntime:
         self._change, self._change_info = change, dict(info, trigger=trigger)
         if asynchronous:
             change.start()
+            change.charge_step_loop(time.perf_counter() - info.get("t_start", time.perf_counter()))
             return None
         try:
             change.run()
@@ -470,6 +480,9 @@ class EplbRuntime:
             seconds_plan=seconds_plan,
             seconds_transfer=max(0.0, change.t_end - change.t_start - change.seconds_plan),
             seconds_commit=change.seconds_switch, placement=new, steps_in_flight=change.steps,
+            seconds_step_loop=change.seconds_step_loop,
+            max_step_loop_seconds=change.max_step_loop,
+            seconds_agree_wait=change.seconds_agree_wait,
         )
         self.events.append(event)
         del self.events[:-self.MAX_EVENTS]  # the newest MAX_EVENTS: bounded memory in long jobs
