@@ -21,6 +21,7 @@ from eplb.config import EplbConfig
 from eplb.placement import Placement
 from eplb.runtime import EplbRuntime
 from moe import DenseMoEModel, MoEArgs, MoEModel, sample_tokens
+from test_moe import random_bias, random_placement
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # bf16 end to end (the grouped-GEMM path); the dense oracle computes the same function
@@ -31,19 +32,10 @@ ARGS = dict(hidden_size=128, intermediate_size=64, num_layers=2, num_experts=8, 
 
 
 def _bias(args: MoEArgs, seed: int) -> torch.Tensor:  # [L, N] skewed, so replicas matter
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(args.num_layers, args.num_experts, generator=g) * 0.05
+    return random_bias(args, seed)
 
 
-def _random_placement(L: int, N: int, P: int, num_gpus: int, seed: int) -> Placement:
-    """Every expert once (permuted) plus P - N random replicas, shuffled over slots."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for _ in range(L):
-        row = np.concatenate([rng.permutation(N), rng.choice(N, P - N)])
-        rng.shuffle(row)
-        rows.append(row)
-    return Placement(np.stack(rows), N, num_gpus, policy="random")
+_random_placement = random_placement  # every expert once plus P - N random replicas
 
 
 def _fold(load: torch.Tensor, p2l: np.ndarray, N: int) -> torch.Tensor:  # [L, P] -> [L, N]
