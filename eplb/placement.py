@@ -117,9 +117,9 @@ class Placement:
     # ---- derived maps ------------------------------------------------------------
     def replica_count(self) -> np.ndarray:  # [L, N]
         L, P = self.physical_to_logical.shape
-        out = np.zeros((L, self.num_logical_experts), dtype=np.int64)
-        np.add.at(out, (np.repeat(np.arange(L), P), self.physical_to_logical.ravel()), 1)
-        return out
+        N = self.num_logical_experts  # ids are in [0, N): validate() checks that first
+        flat = (self.physical_to_logical + (np.arange(L, dtype=np.int64) * N)[:, None]).ravel()
+        return np.bincount(flat, minlength=L * N).astype(np.int64, copy=False).reshape(L, N)
 
     def logical_to_physical(self, max_replicas: int | None = None) -> np.ndarray:  # [L, N, R]
         """Slots of every expert in ascending slot order, padded with -1 to `max_replicas`."""

@@ -388,3 +388,57 @@ def test_deepseek_v3_shape_is_fast():
         p = plan(load, 32, 288, nodes, groups)
         assert time.perf_counter() - t < 0.5
         assert p.num_duplicates_on_gpu() == 0
+
+
+def _align_reference(new, old, match, m):
+    """Slots inside each matched GPU, one GPU at a time in plain Python: an expert that
+    stays keeps its old slot (the last old slot holding it), the k-th newcomer takes the
+    k-th free slot."""
+    R, p = new.shape
+    s = p // m
+    out = np.empty_like(new)
+    for r in range(R):
+        for g in range(m):
+            items, held = list(new[r, g * s:(g + 1) * s]), list(old[r, match[r, g] * s:(match[r, g] + 1) * s])
+            v_of = [max((v for v in range(s) if held[v] == e), default=-1) for e in items]
+            free = [v for v in range(s) if v not in v_of]
+            movers = iter(free)
+            for e, v in zip(items, v_of):
+                out[r, match[r, g] * s + (v if v >= 0 else next(movers))] = e
+    return out
+
+
+def test_align_relabels_gpus_and_keeps_stayers_in_their_slots():
+    """`moves.align` (vectorised, int32 ids) moves whole GPUs (loads unchanged), every
+    expert that stays on its matched old GPU keeps its old slot, and the result equals a
+    per-GPU reference, with the slot sources of `with_source` consistent."""
+    from eplb.policy.moves import align
+
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        m, s = int(rng.integers(1, 7)), int(rng.integers(1, 5))
+        p, R = m * s, int(rng.integers(1, 5))
+        n = int(rng.integers(max(1, -(-p // m)), p + 1))
+        # new: sorted items dealt round-robin, so no GPU holds an expert twice (the planner's guarantee)
+        base = np.sort(np.concatenate([np.arange(n), rng.integers(0, n, p - n)]))
+        if (np.bincount(base, minlength=n) > m).any():
+            continue
+        new = np.stack([base.reshape(s, m).T[rng.permutation(m)][:, rng.permutation(s)].ravel() for _ in range(R)])
+        old = np.stack([rng.permutation(np.concatenate([np.arange(n), rng.integers(0, n, p - n)])) for _ in range(R)])
+        old = np.where(rng.random(old.shape) < 0.5, new, old)  # partly unchanged
+        out, src = align(new, old, m, n, with_source=True)
+        assert out.dtype == new.dtype and np.array_equal(np.take_along_axis(new, src, 1), out)
+        # GPU-level relabelling: every new GPU's multiset of experts is one output GPU's
+        inv = np.empty((R, m), dtype=np.int64)  # output GPU -> the new GPU its slots come from
+        for r in range(R):
+            for h in range(m):
+                assert len(set(src[r, h * s:(h + 1) * s] // s)) == 1  # all from one new GPU
+                inv[r, h] = src[r, h * s] // s
+        for r in range(R):
+            assert sorted(inv[r]) == list(range(m))
+            for h in range(m):
+                assert sorted(out[r, h * s:(h + 1) * s]) == sorted(new[r, inv[r, h] * s:(inv[r, h] + 1) * s])
+        # inside each GPU: the per-GPU reference on new's GPUs put in their output order
+        by_out = np.stack([np.concatenate([new[r, inv[r, h] * s:(inv[r, h] + 1) * s] for h in range(m)])
+                           for r in range(R)])
+        assert np.array_equal(out, _align_reference(by_out, old, np.broadcast_to(np.arange(m), (R, m)), m))

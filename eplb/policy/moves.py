@@ -25,22 +25,30 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
     per-slot data such as shares)."""
     R, p = new.shape
     s = p // m
-    rows = np.arange(R)
-    gpu = np.arange(p) // s
+    rows = np.arange(R, dtype=np.int32)
+    # ids fit in int32 (n, p <= MAX_SLOTS): half the memory of int64 temporaries
     # old GPU of the first old replica of every expert (experts absent from `old`: -1)
-    first = np.full(R * n, -1, dtype=np.int64)
-    flat_old = (old + (rows * n)[:, None]).ravel()
-    first[flat_old[::-1]] = np.tile(gpu, R)[::-1]  # written last = lowest slot wins
+    first = np.full(R * n, -1, dtype=np.int32)
+    flat_old = old.astype(np.int32)
+    flat_old += (rows * n)[:, None]
+    gpu_rev = np.repeat(np.arange(m - 1, -1, -1, dtype=np.int32), s)  # [p] GPU of the slots, reversed
+    first[flat_old[:, ::-1]] = gpu_rev  # written last = lowest slot wins (rows do not overlap)
     E = new.reshape(R, m, s)  # [R, m, s]
-    cand = first[(E + (rows * n)[:, None, None])]  # [R, m, s] candidate old GPU per item
-    # ov: how many items of the same new GPU have the same candidate (a bincount)
-    pair_key = ((rows[:, None, None] * m + np.arange(m)[None, :, None]) * (m + 1) + cand + 1).ravel()
-    ov = np.bincount(pair_key, minlength=R * m * (m + 1))[pair_key].reshape(R, m, s)
-    ov[cand < 0] = 0
+    Ei = new.astype(np.int32).reshape(R, m, s)
+    Ei += (rows * n)[:, None, None]
+    cand = first[Ei]  # [R, m, s] candidate old GPU per item
+    # ov: how many items of the same new GPU have the same candidate (a bincount); the
+    # bin of "no candidate" (cand = -1) counts 0
+    base = (rows[:, None] * m + np.arange(m, dtype=np.int32)) * (m + 1) + 1  # [R, m]
+    pair_key = cand + base[..., None]  # [R, m, s]
+    bins = np.bincount(pair_key.ravel(), minlength=R * m * (m + 1))
+    bins[base.ravel() - 1] = 0
+    ov = bins[pair_key]  # [R, m, s]
     match = np.full((R, m), -1, dtype=np.int64)  # new GPU -> old GPU
     taken = np.zeros(R * m, dtype=bool)  # old GPU already matched
-    row_m = (rows * m)[:, None]
-    cand_flat = np.maximum(cand, 0) + row_m[..., None]  # [R, m, s] flat old GPU
+    row_m = (rows * m)[:, None]  # [R, 1]
+    cand_flat = np.maximum(cand, 0)
+    cand_flat += row_m[..., None]  # [R, m, s] flat old GPU
     key_g = m - np.arange(m)  # lower new GPU index wins ties
     for _ in range(rounds):
         score = np.where(taken[cand_flat] | (match >= 0)[..., None], 0, ov)  # [R, m, s]
@@ -54,14 +62,16 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
         top = np.full(R * m, -1, dtype=np.int64)
         np.maximum.at(top, tflat[propose], key[propose])
         win = propose & (key == top[tflat])
-        match[win] = tflat[win] - row_m.repeat(m, 1)[win]
+        match[win] = (tflat - row_m)[win]
         taken[tflat[win]] = True
     # leftovers: k-th unmatched new GPU takes the k-th free old GPU
-    free_new = _stable_false_first(match >= 0)  # [R, m] unmatched first
-    free_old = _stable_false_first(taken.reshape(R, m))  # free first
-    left = np.arange(m)[None, :] < (match < 0).sum(1, keepdims=True)
-    rr2 = np.broadcast_to(rows[:, None], (R, m))
-    match[rr2[left], free_new[left]] = free_old[left]
+    unmatched = match < 0  # [R, m]
+    if unmatched.any():
+        free_new = _stable_false_first(~unmatched)  # [R, m] unmatched first
+        free_old = _stable_false_first(taken.reshape(R, m))  # free first
+        left = np.arange(m)[None, :] < unmatched.sum(1, keepdims=True)
+        rr2 = np.broadcast_to(rows[:, None], (R, m))
+        match[rr2[left], free_new[left]] = free_old[left]
     # slots inside each GPU: an expert that stays keeps its old slot (v_of), the k-th
     # newcomer of a GPU takes its k-th free slot; loops over the s slots of a GPU
     held = old.reshape(R, m, s)[rows[:, None], match]  # [R, m, s] old content of the matched GPU
@@ -71,17 +81,17 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
         v_of[E2 == held2[:, v:v + 1]] = v
     hit = v_of >= 0  # [R m, s]
     used = np.zeros(R * m * s, dtype=bool)  # old slot kept by its expert
-    used[(np.arange(R * m)[:, None] * s + v_of)[hit]] = True
+    used[(np.arange(0, R * m * s, s)[:, None] + v_of)[hit]] = True
     used = used.reshape(R * m, s)
-    movers = _stable_false_first(hit)  # [R m, s] movers first, then stayers
-    free = _stable_false_first(used)  # free slots first
-    nmov = s - hit.sum(1, keepdims=True)  # [R m, 1]
-    stay = np.take_along_axis(v_of, movers, 1)
-    dest = np.empty((R * m, s), dtype=np.int64)
-    np.put_along_axis(dest, movers, np.where(np.arange(s) < nmov, free, stay), 1)
-    dest = dest.reshape(R, m, s)
+    free = _stable_false_first(used)  # [R m, s] free slots first
+    # the k-th newcomer (index order) takes the k-th free slot, a stayer its old slot
+    mover_rank = np.cumsum(~hit, axis=1)  # [R m, s] 1-based among newcomers
+    mover_rank -= 1
+    np.maximum(mover_rank, 0, out=mover_rank)
+    dest = np.where(hit, v_of, np.take_along_axis(free, mover_rank, 1)).reshape(R, m, s)
+    dest += match[..., None] * s  # [R, m, s] slot of the result
     out = np.empty_like(new)
-    where = (rows[:, None, None], match[..., None] * s + dest)
+    where = (rows[:, None, None], dest)
     out[where] = E
     if not with_source:
         return out

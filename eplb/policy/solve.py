@@ -32,8 +32,8 @@ def solve(w: np.ndarray, p: int, m: int, share: float = 1.0) -> np.ndarray:
     many_rows = max(1, R // 64) if size > SMALL else 1  # per-row overhead of large problems
     if s > 2:
         iters = iterations(int(PAIR_WORK * share), size * many_rows, (PAIR_ITERS[0] * lo, PAIR_ITERS[1]))
-        r = np.nonzero(max_load(w, p2l, m) > good * mean)[0]
-        if r.size:
+        r = np.nonzero(max_load(w, p2l, m) > good * mean)[0] if iters > 0 else ()  # iters 0: a no-op
+        if len(r):
             p2l[r] = improve_pairs(w[r], p2l[r], m, iters)
         max_iters = iterations(int(MAX_WORK * share), size ** 2 * many_rows, MAX_ITERS)
     else:
