@@ -4,8 +4,8 @@ from eplb.placement import Placement
 from eplb.planning import plan
 from eplb.policy import available_policies, register_policy
 from eplb.protocol import MixtureOfExperts, MoELayerProtocol
-from eplb.runtime import EplbRuntime, RebalanceError, RebalanceEvent
+from eplb.runtime import EplbFatalError, EplbRuntime, RebalanceError, RebalanceEvent
 
 __version__ = "0.1.0"
-__all__ = ["EplbConfig", "EplbRuntime", "MixtureOfExperts", "MoELayerProtocol", "Placement",
+__all__ = ["EplbConfig", "EplbFatalError", "EplbRuntime", "MixtureOfExperts", "MoELayerProtocol", "Placement",
            "RebalanceError", "RebalanceEvent", "available_policies", "plan", "register_policy"]
