@@ -238,6 +238,7 @@ def run(a: argparse.Namespace) -> int:
         records.append(rec)
         if rank == 0:
             bar.update(1, suffix=f"balancedness {bal.mean():.3f} (static {bal_static.mean():.3f})")
+    runtime.finish_rebalance()  # every rank: an asynchronous rebalance still in flight ends here
     if rank == 0:
         bar.close()
         summarize(records, time.perf_counter() - t_start, a,
@@ -250,6 +251,7 @@ def run(a: argparse.Namespace) -> int:
             except KeyboardInterrupt:
                 pass
         server.stop()
+    runtime.close()
     return 0
 
 

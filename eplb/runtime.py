@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -33,6 +34,18 @@ log = logging.getLogger("eplb.runtime")
 
 
 __all__ = ["EplbRuntime", "RebalanceEvent", "RebalanceError", "EplbFatalError"]
+
+_LIVE_RUNTIMES: "weakref.WeakSet[EplbRuntime]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_runtimes() -> None:
+    """At exit, stop the background work of runtimes still alive (see `close`)."""
+    for runtime in list(_LIVE_RUNTIMES):
+        try:
+            runtime.close()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            log.exception("eplb: closing a runtime at exit failed")
 
 
 @dataclass
@@ -154,7 +167,8 @@ class EplbRuntime:
         self._change_info: dict = {}
         self._stale: list[PlacementChange] = []  # aborted changes whose thread may still run
         self.fatal_error: EplbFatalError | None = None
-        atexit.register(self.close)
+        self.closed = False
+        _LIVE_RUNTIMES.add(self)  # closed at exit if still alive (a weak reference)
         if self.config.initial_placement:
             target = Placement.load(self.config.initial_placement, N, self.world_size)
             self.apply_placement(target, trigger="initial")
@@ -228,6 +242,8 @@ class EplbRuntime:
         logged and reported to failure listeners and serving continues."""
         if self.fatal_error is not None:
             raise self.fatal_error
+        if self.closed:
+            raise RuntimeError("this EplbRuntime was closed (close())")
         self.recorder.record(self.expert_load_pass, self.physical_to_logical)
         self.steps += 1
         for hook in self._step_hooks:
@@ -341,7 +357,9 @@ class EplbRuntime:
         """Stop background work before the process exits: abandon a rebalance in flight
         (layers that switched stay switched) and wait up to `timeout` seconds (default
         `transfer_timeout`) for transfer threads, which may sit in a transfer until their
-        group's timeout after an aborted rebalance. Idempotent; also run at exit."""
+        group's timeout after an aborted rebalance; then release the runtime's own process
+        groups. Not a collective. Idempotent; also run at exit for runtimes still alive.
+        `step()` refuses to run afterwards."""
         if self._change is not None:
             self._change.abandon()
             self._stale.append(self._change)
@@ -356,6 +374,13 @@ class EplbRuntime:
         if self._stale:
             log.warning("eplb: %d rebalance thread(s) still waiting in a transfer at close",
                         len(self._stale))
+        elif not self.closed and dist.is_initialized():
+            # release the runtime's own groups now rather than at interpreter teardown
+            for g in (self._transfer_group, self._plan_group, self._control_group):
+                if g is not None and g is not self.group:
+                    dist.destroy_process_group(g)
+            self._transfer_group = self._plan_group = self._control_group = None
+        self.closed = True
 
     # ---- one placement change: begin, advance, end ------------------------------
     def _begin(self, plan_fn: Callable[[], Placement], trigger: str, info: dict,

@@ -108,6 +108,11 @@ def _explicit_body(rank, world):
     assert len(seen) == 2 and seen[1].trigger == "request"
     if rank == 0:
         assert "running" in states and states[-1] == "done"
+    runtime.close()  # not a collective; releases the runtime's own groups
+    assert runtime.closed and runtime._control_group is None and runtime._transfer_group is None
+    with pytest.raises(RuntimeError, match="closed"):
+        runtime.step()
+    runtime.close()  # idempotent
 
 
 def test_explicit_and_requested_async_rebalances():
