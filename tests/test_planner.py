@@ -442,3 +442,99 @@ def test_align_relabels_gpus_and_keeps_stayers_in_their_slots():
         by_out = np.stack([np.concatenate([new[r, inv[r, h] * s:(inv[r, h] + 1) * s] for h in range(m)])
                            for r in range(R)])
         assert np.array_equal(out, _align_reference(by_out, old, np.broadcast_to(np.arange(m), (R, m)), m))
+
+
+def test_align_with_more_than_127_slots_per_gpu():
+    """`moves.align` keeps a GPU's slot indices in 1 byte only while they fit: with 130
+    slots per GPU (wider slot map) stayers still keep their last old slot, newcomers fill
+    the free slots in order, as in the per-GPU reference."""
+    from eplb.policy.moves import align
+
+    rng = np.random.default_rng(3)
+    m, s, n, R = 2, 130, 150, 3
+    p = m * s
+    for _ in range(3):
+        # new: at most m replicas per expert, dealt round-robin (no GPU holds an expert twice)
+        base = np.sort(np.concatenate([np.arange(n), rng.choice(n, p - n, replace=False)]))
+        new = np.stack([base.reshape(s, m).T[rng.permutation(m)][:, rng.permutation(s)].ravel() for _ in range(R)])
+        old = np.stack([rng.permutation(np.concatenate([np.arange(n), rng.integers(0, n, p - n)])) for _ in range(R)])
+        old = np.where(rng.random(old.shape) < 0.5, new, old)  # [R, p] partly unchanged
+        out, src = align(new, old, m, n, with_source=True)  # [R, p] each
+        assert np.array_equal(np.take_along_axis(new, src, 1), out)
+        inv = src[:, ::s] // s  # [R, m] output GPU -> the new GPU its slots come from
+        by_out = np.stack([np.concatenate([new[r, inv[r, h] * s:(inv[r, h] + 1) * s] for h in range(m)])
+                           for r in range(R)])
+        assert np.array_equal(out, _align_reference(by_out, old, np.broadcast_to(np.arange(m), (R, m)), m))
+
+
+def _pack_reference(w, c, m):
+    """`packing.pack` one row at a time in plain Python: rounds of heavy items to the GPUs
+    below the mean load and light items to the others, and the in-round trade of an item
+    whose expert its GPU already holds (nearest tradable item, lower index on ties)."""
+    from eplb.policy.rows import argsort_rows
+
+    R, n = w.shape
+    p = int(c[0].sum())
+    s = p // m
+    out = np.empty((R, p), dtype=np.int64)
+    for r in range(R):
+        piece = w[r] / c[r]  # [n]
+        order = argsort_rows(piece[None], descending=True)[0]
+        items = [int(e) for e in order for _ in range(c[r, e])]  # heavy first
+        load = np.zeros(m)  # [m]
+        held = [set() for _ in range(m)]
+        front, back = 0, p
+        for rnd in range(s):
+            closed = 0 if rnd == 0 else int((load >= load.mean()).sum())
+            nopen = m - closed
+            gpus = list(argsort_rows(load[None])[0])  # lightest first
+            pick = [front + j if j < nopen else back - closed + (j - nopen) for j in range(m)]
+            e = [items[i] for i in pick]
+            for _ in range(m):
+                bad = [j for j in range(m) if e[j] in held[gpus[j]]]
+                if not bad:
+                    break
+                j0 = bad[0]
+                ok = [j for j in range(m) if e[j0] not in held[gpus[j]] and e[j] not in held[gpus[j0]]
+                      and e[j] != e[j0]]
+                if not ok:
+                    break  # left to the duplicate repair
+                j1 = min(ok, key=lambda j: (abs(j - j0), j))
+                gpus[j0], gpus[j1] = gpus[j1], gpus[j0]
+            for j in range(m):
+                held[gpus[j]].add(e[j])
+                out[r, gpus[j] * s + rnd] = e[j]
+                load[gpus[j]] += piece[e[j]]
+            front += nopen
+            back -= closed
+    return out
+
+
+def test_pack_matches_a_per_row_reference():
+    """The vectorised packing rounds (presence map, in-round trades of items whose expert
+    is already on the GPU) give the plain per-row reference's placement, bit for bit,
+    on skewed loads with many replicas per expert and on loads with ties."""
+    from eplb.policy.packing import pack
+
+    rng = np.random.default_rng(11)
+    for trial in range(40):
+        m, s = int(rng.integers(2, 7)), int(rng.integers(1, 6))
+        p = m * s
+        n = int(rng.integers(max(1, -(-p // m)), p + 1))
+        R = int(rng.integers(1, 6))
+        if trial % 3 == 0:  # ties
+            w = rng.integers(0, 3, (R, n)).astype(np.float64)
+        else:  # skewed: hot experts get up to m replicas
+            w = rng.exponential(1.0, (R, n)) ** 3 * 100
+        c = replica_counts(w, p, m)  # [R, n]
+        assert np.array_equal(pack(w, c, m), _pack_reference(w, c, m))
+
+
+def test_align_without_the_slot_map(monkeypatch):
+    """With many GPUs and experts `moves.align` finds the old slots by comparison passes
+    instead of a (row, GPU, expert) map: the same results as the per-GPU reference."""
+    from eplb.policy import moves
+
+    monkeypatch.setattr(moves, "_SLOT_MAP_MAX", 0)
+    test_align_relabels_gpus_and_keeps_stayers_in_their_slots()
+    test_align_with_more_than_127_slots_per_gpu()

@@ -44,26 +44,38 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
     bins = np.bincount(pair_key.ravel(), minlength=R * m * (m + 1))
     bins[base.ravel() - 1] = 0
     ov = bins[pair_key]  # [R, m, s]
-    match = np.full((R, m), -1, dtype=np.int64)  # new GPU -> old GPU
+    match = np.full(R * m, -1, dtype=np.int64)  # new GPU -> old GPU, flat [r * m + g]
     taken = np.zeros(R * m, dtype=bool)  # old GPU already matched
     row_m = (rows * m)[:, None]  # [R, 1]
     cand_flat = np.maximum(cand, 0)
     cand_flat += row_m[..., None]  # [R, m, s] flat old GPU
-    key_g = m - np.arange(m)  # lower new GPU index wins ties
+    # every round works on the new GPUs still proposing: a matched GPU, or one whose best
+    # score was 0 (scores only drop as old GPUs are taken), never proposes again
+    live = np.arange(R * m)  # [U] flat new GPU
+    c_live = cand_flat.reshape(R * m, s)  # [U, s]
+    ov_live = ov.reshape(R * m, s)
+    key_live = np.tile(m - np.arange(m), R)  # [U] lower new GPU index wins ties
+    top = np.full(R * m, -1, dtype=np.int64)
     for _ in range(rounds):
-        score = np.where(taken[cand_flat] | (match >= 0)[..., None], 0, ov)  # [R, m, s]
-        pick = score.argmax(-1)[..., None]
-        best = np.take_along_axis(score, pick, -1)[..., 0]  # [R, m]
+        score = np.where(taken[c_live], 0, ov_live)  # [U, s]
+        pick = score.argmax(1)
+        u = np.arange(live.size)
+        best = score[u, pick]  # [U]
         propose = best > 0
         if not propose.any():
             break
-        tflat = np.take_along_axis(cand_flat, pick, -1)[..., 0]  # [R, m] flat old GPU
-        key = np.where(propose, best * (m + 1) + key_g, -1)  # [R, m] unique per new GPU
-        top = np.full(R * m, -1, dtype=np.int64)
+        tflat = c_live[u, pick]  # [U] flat old GPU
+        key = best * (m + 1) + key_live  # [U] unique per new GPU
+        top[tflat[propose]] = -1
         np.maximum.at(top, tflat[propose], key[propose])
         win = propose & (key == top[tflat])
-        match[win] = (tflat - row_m)[win]
+        match[live[win]] = tflat[win] - live[win] // m * m
         taken[tflat[win]] = True
+        stay = propose & ~win
+        live, c_live, ov_live, key_live = live[stay], c_live[stay], ov_live[stay], key_live[stay]
+        if live.size == 0:
+            break
+    match = match.reshape(R, m)
     # leftovers: k-th unmatched new GPU takes the k-th free old GPU
     unmatched = match < 0  # [R, m]
     if unmatched.any():
@@ -73,31 +85,48 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
         rr2 = np.broadcast_to(rows[:, None], (R, m))
         match[rr2[left], free_new[left]] = free_old[left]
     # slots inside each GPU: an expert that stays keeps its old slot (v_of), the k-th
-    # newcomer of a GPU takes its k-th free slot; loops over the s slots of a GPU
-    held = old.reshape(R, m, s)[rows[:, None], match]  # [R, m, s] old content of the matched GPU
-    v_of = np.full((R * m, s), -1, dtype=np.int64)  # [R m, s] old slot of new item u, or -1
-    E2, held2 = E.reshape(R * m, s), held.reshape(R * m, s)
-    for v in range(s):
-        v_of[E2 == held2[:, v:v + 1]] = v
+    # newcomer of a GPU takes its k-th free slot
+    if R * m * n <= _SLOT_MAP_MAX:
+        # slot_of[(r, old GPU, expert)]: the last slot of that GPU holding the expert, or -1
+        slot_dtype = np.int8 if s <= 127 else np.int32  # a slot inside a GPU; 1 byte when it fits
+        slot_of = np.full(R * m * n, -1, dtype=slot_dtype)
+        old_key = old.reshape(R, m, s) + ((rows[:, None] * m + np.arange(m, dtype=np.int32)) * n)[..., None]
+        slot_of[old_key.ravel()] = np.tile(np.arange(s, dtype=slot_dtype), R * m)  # last write = highest slot
+        new_key = E + ((rows[:, None] * m + match) * n)[..., None]  # [R, m, s] (r, matched old GPU, expert)
+        v_of = slot_of[new_key].reshape(R * m, s)  # [R m, s] old slot of new item u, or -1
+    else:  # many GPUs and experts, few slots per GPU: s comparison passes cost less than the map
+        held = old.reshape(R, m, s)[rows[:, None], match].reshape(R * m, s)  # old content of the matched GPU
+        v_of = np.full((R * m, s), -1, dtype=np.int64)
+        E2 = E.reshape(R * m, s)
+        for v in range(s):
+            v_of[E2 == held[:, v:v + 1]] = v
     hit = v_of >= 0  # [R m, s]
-    used = np.zeros(R * m * s, dtype=bool)  # old slot kept by its expert
-    used[(np.arange(0, R * m * s, s)[:, None] + v_of)[hit]] = True
-    used = used.reshape(R * m, s)
-    free = _stable_false_first(used)  # [R m, s] free slots first
+    # old slots kept by their expert; a newcomer (v_of = -1) marks the extra column 0
+    used = np.zeros((R * m, s + 1), dtype=bool)
+    used.ravel()[v_of + np.arange(1, R * m * (s + 1), s + 1)[:, None]] = True
+    free = _stable_false_first(used[:, 1:])  # [R m, s] free slots first
     # the k-th newcomer (index order) takes the k-th free slot, a stayer its old slot
-    mover_rank = np.cumsum(~hit, axis=1)  # [R m, s] 1-based among newcomers
-    mover_rank -= 1
+    # 1-based rank among the GPU's newcomers, from one flat running count (a cumsum along
+    # the short rows is slow), made a flat index into free
+    mover_rank = np.cumsum(~hit.ravel()).reshape(R * m, s)  # [R m, s]
+    row_base = np.empty(R * m, dtype=mover_rank.dtype)  # newcomers of the earlier GPUs
+    row_base[0] = 0
+    row_base[1:] = mover_rank[:-1, -1]
+    row_base -= np.arange(-1, R * m * s - 1, s)
+    mover_rank -= row_base[:, None]
     np.maximum(mover_rank, 0, out=mover_rank)
-    dest = np.where(hit, v_of, np.take_along_axis(free, mover_rank, 1)).reshape(R, m, s)
-    dest += match[..., None] * s  # [R, m, s] slot of the result
-    out = np.empty_like(new)
-    where = (rows[:, None, None], dest)
-    out[where] = E
+    dest = np.where(hit, v_of, free.ravel()[mover_rank]).reshape(R, m, s)
+    dest += match[..., None] * s + (rows * p)[:, None, None]  # [R, m, s] flat slot of the result
+    out = np.empty(new.shape, dtype=new.dtype)  # C order: ravel() is a view
+    out.ravel()[dest] = E
     if not with_source:
         return out
-    source = np.empty_like(new)
-    source[where] = np.arange(p).reshape(1, m, s)
+    source = np.empty(new.shape, dtype=new.dtype)
+    source.ravel()[dest] = np.arange(p).reshape(1, m, s)
     return out, source
+
+
+_SLOT_MAP_MAX = 1 << 20  # align: (row, GPU, expert) entries up to which the old slots go through a map
 
 
 def _stable_false_first(b: np.ndarray) -> np.ndarray:
@@ -121,23 +150,27 @@ def plan_rows(w: np.ndarray, p: int, m: int, prev: Optional[np.ndarray], tol: fl
     # than 8192 slots in all) it gets half the budget so that the moves from the previous
     # placement fit in the rest
     scratch = solve(w, p, m, share=1.0 if R * p <= SMALL else 0.5)
-    out = scratch.copy()
     r = np.nonzero(has_prev)[0]
-    old = prev[r]
+    every = r.size == R  # the usual case: no row copies
+    old = prev if every else prev[r]
+    w_r, scratch_r = (w, scratch) if every else (w[r], scratch[r])
     # a previous placement may hold more than m replicas of an expert (not placeable without
     # two on one GPU); such rows restart from scratch, only relabelled
     ok_counts = counts_of(old, n).max(1) <= cap
-    target = (1.0 + tol) * max_load(w[r], scratch[r], m) * (1 + 1e-12)
+    target = (1.0 + tol) * max_load(w_r, scratch_r, m) * (1 + 1e-12)
     local = old.copy()
     sel = np.nonzero(ok_counts)[0]
     if sel.size:
-        local[sel] = repair_duplicates(w[r[sel]], old[sel], m)
+        local[sel] = repair_duplicates(w_r[sel], old[sel], m)
         iters = iterations(PREV_WORK, (sel.size * p) ** 2, PREV_ITERS)
         if iters > 0:  # large problems: only the layers already within tolerance stay
-            local[sel], _ = improve_max(w[r[sel]], local[sel], m, cap, target=target[sel], budget=iters)
-    reached = ok_counts & (max_load(w[r], local, m) <= target)  # (repaired rows hold no duplicates)
-    out[r[reached]] = local[reached]
+            local[sel], _ = improve_max(w_r[sel], local[sel], m, cap, target=target[sel], budget=iters)
+    reached = ok_counts & (max_load(w_r, local, m) <= target)  # (repaired rows hold no duplicates)
     miss = np.nonzero(~reached)[0]
+    if every and not reached.any():  # every row takes the relabelled plan
+        return align(scratch, old, m, n)
+    out = scratch.copy()
+    out[r[reached]] = local[reached]
     if miss.size:
-        out[r[miss]] = align(scratch[r[miss]], old[miss], m, n)
+        out[r[miss]] = align(scratch_r[miss], old[miss], m, n)
     return out

@@ -24,36 +24,62 @@ def pack(w: np.ndarray, c: np.ndarray, m: int) -> np.ndarray:
     order = argsort_rows(piece, descending=True)  # [R, n] experts heavy first
     items = expand(take(c, order), order)  # [R, p] expert of each item, heavy first
     sizes = take(piece, items)  # [R, p]
-    load = np.zeros((R, m))
-    front = np.zeros((R, 1), dtype=np.int64)
-    back = np.full((R, 1), p, dtype=np.int64)
-    j = np.arange(m)[None, :]
+    load = np.zeros((R, m))  # [R, m] >= 0, never -0.0: its bits order like its values
     rows = np.arange(R)
     row_m = (rows * m)[:, None]
     row_p = (rows * p)[:, None]
+    j = np.arange(m)[None, :]
+    jm = j - m
+    ib = max(1, int(m).bit_length())  # argsort_rows(load) inlined: keys = value bits, then GPU index
+    low = (1 << ib) - 1
     held = np.zeros(R * m * n, dtype=bool)  # GPU holds expert, flat [(r * m + g) * n + e]
-    p2l = np.empty(R * p, dtype=np.int64)
-    for rnd in range(s):
-        if rnd == 0:
-            closed = np.zeros((R, 1), dtype=np.int64)
-        else:  # GPUs at or above the current mean load
-            closed = (load >= load.mean(1, keepdims=True)).sum(1, keepdims=True)
+    gpu_of = np.empty((R, m, s), dtype=np.int64)  # [R, item j of round, round] GPU taking it
+    item_of = np.empty((R, m, s), dtype=np.int64)  # ... and its expert; p2l is written once at the end
+    items_flat, sizes_flat = items.ravel(), sizes.ravel()
+    # round 0: the m heaviest items to GPUs 0..m-1 (all loads 0, nothing held yet)
+    pick = row_p + j  # [R, m] flat item
+    e = items_flat[pick]
+    gflat = row_m + j
+    held[gflat * n + e] = True
+    gpu_of[..., 0] = j
+    item_of[..., 0] = e
+    load.ravel()[gflat] += sizes_flat[pick]
+    front = row_p + m  # [R, 1] flat index of the next heavy item
+    back = row_p + p  # [R, 1] one past the last light item left
+    for rnd in range(1, s):
+        # GPUs at or above the current mean load are closed
+        mean = np.add.reduce(load, axis=1, keepdims=True)
+        mean /= m  # = load.mean(1, keepdims=True), bit for bit, without its Python overhead
+        closed = np.add.reduce(load >= mean, axis=1, dtype=np.int64, keepdims=True)
         nopen = m - closed
-        gpus = argsort_rows(load)  # [R, m] lightest first; closed GPUs come last
-        pick = np.where(j < nopen, front + j, back - closed + (j - nopen)) + row_p  # [R, m] flat item
-        e = items.ravel()[pick]  # [R, m]
+        key = load.view(np.int64) >> ib
+        key <<= ib
+        key |= j
+        key.sort(axis=1)
+        key &= low
+        gpus = key  # [R, m] lightest first; closed GPUs come last
+        pick = np.where(j < nopen, front + j, back + jm)  # [R, m] flat item
+        e = items_flat[pick]  # [R, m]
         gflat = gpus + row_m
-        key = gflat * n + e
-        bad = held[key]
+        hkey = gflat * n
+        hkey += e
+        bad = held[hkey]
         if bad.any():
             gpus = _untangle(gpus, e, bad, held, row_m, n)
             gflat = gpus + row_m
-            key = gflat * n + e
-        held[key] = True
-        p2l[row_p + gpus * s + rnd] = e
-        load.ravel()[gflat] += sizes.ravel()[pick]
+            hkey = gflat * n
+            hkey += e
+        held[hkey] = True
+        gpu_of[..., rnd] = gpus
+        item_of[..., rnd] = e
+        load.ravel()[gflat] += sizes_flat[pick]
         front += nopen
         back -= closed
+    p2l = np.empty(R * p, dtype=np.int64)
+    gpu_of *= s
+    gpu_of += np.arange(s)  # slot of the item: GPU * s + round
+    gpu_of += row_p[..., None]
+    p2l[gpu_of] = item_of
     return p2l.reshape(R, p)
 
 
@@ -78,26 +104,43 @@ def _untangle(gpus, e, bad, held, row_m, n):
     gpus = gpus.copy()
     m = gpus.shape[1]
     j = np.arange(m)
+    absd = np.abs(j[None, :] - j[:, None])  # [m, m] |j - j0|
+    rb = np.nonzero(bad.any(1))[0]  # rows with a conflict; only these ever change
+    bad = bad[rb]  # [B, m]
+    g = gpus[rb]  # [B, m] kept up to date
+    ee = e[rb]
+    rmn = row_m[rb] * n  # [B, 1]
+    live = np.arange(rb.size)  # rows of rb still with a conflict
     for _ in range(m):
-        rb = np.nonzero(bad.any(1))[0]
-        if rb.size == 0:
+        if live.size == 0:
             break
-        g, ee, rm = gpus[rb], e[rb], row_m[rb]
-        j0 = bad[rb].argmax(1)  # first bad item
-        ar = np.arange(rb.size)
-        e0, g0 = ee[ar, j0], g[ar, j0]
-        ok = ~held[(g + rm) * n + e0[:, None]] & ~held[(g0[:, None] + rm) * n + ee] & (ee != e0[:, None])
-        dist = np.where(ok, np.abs(j[None, :] - j0[:, None]), m + 1)
+        gl, el, bl = g[live], ee[live], bad[live]
+        gn = gl * n
+        gn += rmn[live]  # [A, m] flat (GPU, expert 0) of every item's GPU
+        j0 = bl.argmax(1)  # first bad item
+        ar = np.arange(live.size)
+        e0, g0n = el[ar, j0], gn[ar, j0]
+        ok = ~held[gn + e0[:, None]]
+        ok &= ~held[g0n[:, None] + el]
+        ok &= el != e0[:, None]
+        dist = np.where(ok, absd[j0], m + 1)
         j1 = dist.argmin(1)
         fixable = dist[ar, j1] <= m
         if not fixable.any():
             break
-        rf, a0, a1 = rb[fixable], j0[fixable], j1[fixable]
-        t = gpus[rf, a0].copy()
-        gpus[rf, a0] = gpus[rf, a1]
-        gpus[rf, a1] = t
-        bad[rb] = held[(gpus[rb] + rm) * n + ee]
-        bad[rb[~fixable]] = False  # left to the repair pass
+        rf, a0, a1 = live[fixable], j0[fixable], j1[fixable]
+        t = g[rf, a0].copy()
+        g[rf, a0] = g[rf, a1]
+        g[rf, a1] = t
+        # rows that could not be fixed are left to the repair pass
+        live = rf
+        gn = g[live] * n
+        gn += rmn[live]
+        gn += ee[live]
+        still = held[gn]
+        bad[live] = still
+        live = live[still.any(1)]
+    gpus[rb] = g
     return gpus
 
 

@@ -14,7 +14,7 @@ from eplb.policy.budgets import SMALL
 from eplb.policy.moves import plan_rows
 from eplb.policy.packing import pack
 from eplb.policy.refinement import improve_pairs
-from eplb.policy.rows import argsort_rows, lexmin, max_load, take
+from eplb.policy.rows import lexmin, max_load, take
 
 
 def plan_hierarchical(w, P, M, k, G, prev, tol) -> np.ndarray:
@@ -53,26 +53,33 @@ def _place_on_nodes(w, P, M, k, gs, node, prev, tol) -> np.ndarray:
     a row of `plan_rows` over that node's experts, with the node's part of `prev`
     [L, P] as its previous placement where it holds exactly those experts."""
     L, N = w.shape
-    # experts of every node, ascending: [L, k, N/k]
+    G = N // gs
+    # experts of every node, ascending: [L, k, N/k]; a group's experts are consecutive ids,
+    # so this is the order of the groups by (node, group id), each expanded to its experts
     expert_node = np.repeat(node, gs, axis=1)  # [L, N]
-    order = argsort_rows(expert_node.astype(np.float64))  # [L, N] experts grouped by node, ascending ids
+    group_order = np.argsort(node, axis=1, kind="stable")  # [L, G]
+    order = (group_order[:, :, None] * gs + np.arange(gs)).reshape(L, N)  # [L, N] experts grouped by node
     node_experts = order.reshape(L, k, N // k)
     sub_w = take(w, order).reshape(L * k, N // k)  # [L*k, N/k]
     Pk, Mk = P // k, M // k
     sub_prev = None
     if prev is not None:
-        local = np.full((L, N), -1, dtype=np.int64)  # local id of every expert in its node
-        local[np.arange(L)[:, None], order] = np.tile(np.arange(N // k), k)
+        # local id of every expert in its node: its group's rank in the node (G/k groups
+        # per node), then its rank in the group
+        group_pos = np.empty((L, G), dtype=np.int64)
+        group_pos[np.arange(L)[:, None], group_order] = np.arange(G) % (G // k)
+        local = (group_pos[:, :, None] * gs + np.arange(gs)).reshape(L, N)  # [L, N]
         lid = take(local, prev).reshape(L, k, Pk)
         same_node = (take(expert_node, prev).reshape(L, k, Pk) == np.arange(k)[None, :, None]).all(-1)  # [L, k]
         sub_prev = np.where(same_node[..., None], lid, -1).reshape(L * k, Pk)
         # every local expert must appear in its node's previous slots
         seen = np.zeros((L * k, N // k), dtype=bool)
         sp = np.maximum(sub_prev, 0)
-        seen[np.arange(L * k)[:, None], sp] = True
+        sp += (np.arange(L * k) * (N // k))[:, None]
+        seen.ravel()[sp] = True
         sub_prev[~seen.all(1)] = -1
     sub = plan_rows(sub_w, Pk, Mk, sub_prev, tol)  # [L*k, P/k] local ids
-    glob = np.take_along_axis(node_experts.reshape(L * k, -1), sub, 1)  # [L*k, P/k]
+    glob = take(node_experts.reshape(L * k, -1), sub)  # [L*k, P/k]
     return glob.reshape(L, P)
 
 
@@ -89,9 +96,9 @@ def _relabel_nodes(node: np.ndarray, prev_node: np.ndarray, rows: np.ndarray, k:
     if not rows.any():
         return node
     L = node.shape[0]
-    new1 = (node[:, :, None] == np.arange(k)).astype(np.int64)  # [L, G, k]
-    old1 = (prev_node[:, :, None] == np.arange(k)).astype(np.int64)
-    ov = np.einsum("lgi,lgj->lij", new1, old1)  # [L, k new, k old] shared groups
+    # ov [L, k new, k old]: shared groups (a bincount; previous node -1 = not seen, dropped)
+    key = (np.arange(L)[:, None] * k + node) * (k + 1) + (prev_node + 1)  # [L, G]
+    ov = np.bincount(key.ravel(), minlength=L * k * (k + 1)).reshape(L, k, k + 1)[..., 1:]
     mapping = np.full((L, k), -1, dtype=np.int64)
     used = np.zeros((L, k), dtype=bool)
     lr = np.arange(L)
@@ -177,12 +184,16 @@ def _node_assignment_of(prev: np.ndarray, N: int, G: int, k: int) -> tuple[np.nd
     gs = N // G
     slot_node = np.arange(P) // (P // k)  # [P]
     grp = prev // gs  # [L, P]
+    flat_grp = grp + (np.arange(L) * G)[:, None]  # [L, P] flat (layer, group)
     node = np.full((L, G), -1, dtype=np.int64)
-    node[np.arange(L)[:, None], grp] = slot_node[None, :]
+    node.ravel()[flat_grp] = slot_node  # the group's last slot wins
     # valid: every group seen on exactly one node, G/k groups per node
     seen = np.zeros((L, G, k), dtype=bool)
-    seen[np.arange(L)[:, None], grp, slot_node[None, :]] = True
-    valid = (seen.sum(-1) == 1).all(1)
-    per_node = (node[:, :, None] == np.arange(k)).sum(1)  # [L, k]
+    flat_grp *= k
+    flat_grp += slot_node
+    seen.ravel()[flat_grp] = True
+    valid = (np.add.reduce(seen, axis=-1, dtype=np.int64) == 1).all(1)
+    per_node = np.bincount((node + (np.arange(L) * (k + 1) + 1)[:, None]).ravel(),
+                           minlength=L * (k + 1)).reshape(L, k + 1)[:, 1:]  # [L, k] groups per node
     valid &= (per_node == G // k).all(1)
     return node, valid
