@@ -41,7 +41,7 @@ from eplb import transfer as _transfer
 from eplb.control import PendingMin, agree_min
 from eplb.placement import Placement
 from eplb.transfer import (LayerTransferPlan, TransferVerificationError, allocate_staging,
-                           plan_layer_transfer, slot_checksums)
+                           first_slot_of_expert, plan_layer_transfer, slot_checksums)
 
 log = logging.getLogger("eplb.placement_change")
 
@@ -66,7 +66,6 @@ class PlacementChange:
     `weights`: per layer the local expert tensors `[S, ...]`, written in place only.
     `maps`: the runtime's map tensors, each `[L, ...]`; `maps_of(placement)` gives CPU
     tensors of the same shapes; a layer's rows are copied when the layer switches.
-    `on_layer(layer)`: called right after a layer switched (on the caller's thread).
     `timeout`: seconds without any layer switching after which this rank counts the change
     as failed (the agreement then aborts it everywhere).
     Groups: `transfer_group` carries the weights (EP backend), `control_group` (gloo) the
@@ -78,7 +77,7 @@ class PlacementChange:
                  maps_of: Callable[[Placement], Sequence[torch.Tensor]], *, rank: int,
                  num_ranks: int, num_nodes: int, transfer_group, control_group, plan_group=None,
                  verify: bool = False, timeout: float = 300.0, device: torch.device | None = None,
-                 transport=None, on_layer: Callable[[int], None] | None = None) -> None:
+                 transport=None) -> None:
         self.old = old
         self.plan_fn = plan_fn
         self.weights = [list(w) for w in weights]
@@ -91,7 +90,6 @@ class PlacementChange:
         self.device = device if device is not None else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
         self.transport = transport  # for transfer.exchange_layer (None: point-to-point)
-        self.on_layer = on_layer
         # everything already queued on the caller's stream (earlier writes of expert
         # weights among it) comes before this change reads a weight on another stream
         self._start_event = None
@@ -105,7 +103,6 @@ class PlacementChange:
         self.committed = 0  # layers switched so far
         self.error: BaseException | None = None  # this rank's failure, if any
         self.aborted = False
-        self.bytes_received = 0
         self.steps = 0  # advance() calls (step boundaries) the change took
         self.seconds_plan = 0.0
         self.seconds_switch = 0.0  # time spent switching layers on the caller's thread
@@ -305,8 +302,8 @@ class PlacementChange:
             if self._staging is None:
                 self._staging = allocate_staging(weights)
             old_sums = self._gather_checksums(weights) if self.verify else None  # [P]
-            self.bytes_received += _transfer.exchange_layer(plan, weights, self.transfer_group,
-                                                            self._staging, transport=self.transport)
+            _transfer.exchange_layer(plan, weights, self.transfer_group, self._staging,
+                                     transport=self.transport)
             if old_sums is not None:
                 self._check_staging(layer, plan, old_sums)
             event = None
@@ -352,8 +349,6 @@ class PlacementChange:
             self._cv.notify_all()
         self._last_progress = time.monotonic()
         self.seconds_switch += time.perf_counter() - t0
-        if self.on_layer is not None:
-            self.on_layer(layer)
 
     # ---- verification (before anything is written) ---------------------------------
     def _gather_checksums(self, weights: Sequence[torch.Tensor]) -> np.ndarray:
@@ -371,10 +366,7 @@ class PlacementChange:
         if K == 0:
             return
         got = slot_checksums([b[:K] for b in self._staging]).cpu().numpy()  # [K]
-        old_row = self.old.physical_to_logical[layer]  # [P]
-        first = {}
-        for p, e in enumerate(old_row.tolist()):
-            first.setdefault(e, p)
+        first = first_slot_of_expert(self.old.physical_to_logical[layer])
         want = old_sums[[first[int(e)] for e in plan.stage_expert]]  # [K]
         bad_rows = np.flatnonzero(got != want)
         if bad_rows.size:

@@ -61,7 +61,7 @@ from eplb.config import EplbConfig
 from eplb.loadio import as_load
 from eplb.placement import Placement
 from eplb.planning import plan
-from eplb.transfer import slot_checksums
+from eplb.transfer import first_slot_of_expert, slot_checksums
 
 __all__ = [
     "LayerResizePlan",
@@ -689,9 +689,7 @@ def _verify_resize(rs_plan: ResizePlan, old_p2l: np.ndarray, new_p2l: np.ndarray
     old_all = np.concatenate([table[r][:, :S_old] for r in rs_plan.old_ranks], axis=1)  # [L, P_old]
     new_all = np.concatenate([table[r][:, S_old:] for r in rs_plan.new_ranks], axis=1)  # [L, P_new]
     for layer in range(L):
-        first: dict[int, int] = {}
-        for p, e in enumerate(old_p2l[layer].tolist()):
-            first.setdefault(e, p)
+        first = first_slot_of_expert(old_p2l[layer])
         want = old_all[layer, [first[e] for e in new_p2l[layer].tolist()]]  # [P_new]
         bad = np.flatnonzero(want != new_all[layer])
         if bad.size:

@@ -350,7 +350,8 @@ class EplbRuntime:
                 old.num_layers, old.num_slots, old.num_logical_experts, old.num_gpus):
             raise ValueError(f"placement {new} does not fit the running model {old}")
         self.finish_rebalance()
-        info = {"request_ids": [], "before": before, "load": load, "seconds_plan": seconds_plan}
+        info = {"request_ids": [], "before": before, "load": load, "seconds_plan": seconds_plan,
+                "t_start": time.perf_counter()}
         return self._begin(lambda: new, trigger, info, asynchronous=not wait)
 
     def close(self, timeout: float | None = None) -> None:
@@ -398,7 +399,7 @@ class EplbRuntime:
         self._change, self._change_info = change, dict(info, trigger=trigger)
         if asynchronous:
             change.start()
-            change.charge_step_loop(time.perf_counter() - info.get("t_start", time.perf_counter()))
+            change.charge_step_loop(time.perf_counter() - info["t_start"])
             return None
         try:
             change.run()
@@ -522,14 +523,11 @@ class EplbRuntime:
             fn(event)
         return event
 
-    def _write_maps(self, placement: Placement, layers=None) -> None:
-        """Rewrite the shared maps of `layers` (default all) in place from `placement`
-        (storage unchanged, so every view, and any captured CUDA graph, sees it)."""
-        rows = slice(None) if layers is None else list(layers)
-        maps = self._maps_of(placement)
-        for dst, src in zip((self.physical_to_logical, self.logical_to_physical_map,
-                             self.logical_replica_count, self.logical_replica_cdf), maps):
-            dst[rows] = src[rows].to(dst.device)
+    def _write_maps(self, placement: Placement) -> None:
+        """Fill the shared maps in place from `placement` (set-up; a placement change
+        switches them layer by layer, see PlacementChange)."""
+        for dst, src in zip(self._maps, self._maps_of(placement)):
+            dst.copy_(src)
 
     def _maps_of(self, placement: Placement) -> tuple[torch.Tensor, ...]:
         """CPU tensors p2l [L, P], l2p [L, N, R], count [L, N], cdf [L, N, R] of a placement."""

@@ -900,6 +900,15 @@ def execute_layer_transfer(plan: LayerTransferPlan, weights: Sequence[torch.Tens
     return received
 
 
+def first_slot_of_expert(row) -> dict[int, int]:
+    """expert -> the first slot of `row` (`[P]` physical_to_logical) holding it: the slot
+    whose pre-transfer checksum stands for the expert when transfers are verified."""
+    first: dict[int, int] = {}
+    for p, e in enumerate(np.asarray(row).tolist()):
+        first.setdefault(e, p)
+    return first
+
+
 class TransferVerificationError(RuntimeError):
     """After a layer's transfer, a slot's checksum differs from its expert's pre-transfer
     checksum. Raised on every rank of the group at once (all ranks compare the same
@@ -955,9 +964,7 @@ def _verify_layer(layer: int, old_row: np.ndarray, new_row: np.ndarray, rank: in
     else:
         both = mine.cpu().numpy()[None]
     old_all, new_all = both[:, :S].reshape(-1), both[:, S:].reshape(-1)  # [P], [P]
-    first = {}
-    for p, e in enumerate(old_row.tolist()):
-        first.setdefault(e, p)
+    first = first_slot_of_expert(old_row)
     want = old_all[[first[e] for e in new_row.tolist()]]  # [P]
     bad = np.flatnonzero(want != new_all)
     if bad.size:

@@ -10,21 +10,7 @@ import torch.distributed as dist
 from _dist import device_for, run_distributed
 from eplb.config import EplbConfig
 from eplb.runtime import EplbRuntime
-from test_runtime import _args, _skewed_bias
-
-
-def check_committed(args, runtime, device) -> None:
-    """Every local slot holds bitwise the expert that the committed map
-    `runtime.physical_to_logical` names (mid-rebalance too)."""
-    from moe import expert_weights_for
-
-    S = runtime.model.num_local_physical_experts
-    p2l = runtime.physical_to_logical.cpu().numpy()  # [L, P]
-    for layer, weights in enumerate(runtime.expert_weights):
-        for s in range(S):
-            want = expert_weights_for(args, layer, int(p2l[layer, runtime.rank * S + s]), device)
-            for w, v in zip(weights, want):
-                assert torch.equal(w[s], v), f"layer {layer} slot {s} does not match its map"
+from test_runtime import _args, _skewed_bias, check_committed
 
 
 def _serving_body(rank, world):

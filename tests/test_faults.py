@@ -69,7 +69,7 @@ def _rank_main(rank: int, port: int, outdir: str, mode: str, fault: str, point: 
 
     from eplb.config import EplbConfig
     from eplb.runtime import EplbFatalError, EplbRuntime, RebalanceError
-    from test_async import check_committed
+    from test_runtime import check_committed
 
     args = _args()
     model = MoEModel(args, group=dist.group.WORLD)

@@ -21,18 +21,26 @@ def _args(**kw):
     return MoEArgs(**base)
 
 
-def _check_slots(args, runtime, device):
-    """Every local slot holds bitwise the weights of the logical expert its map names."""
+def check_committed(args, runtime, device) -> None:
+    """Every local slot holds bitwise the expert that the committed map
+    `runtime.physical_to_logical` names (mid-rebalance too)."""
     from moe import expert_weights_for
 
     S = runtime.model.num_local_physical_experts
-    p2l = runtime.placement.physical_to_logical  # [L, P]
-    assert torch.equal(runtime.physical_to_logical.cpu(), torch.from_numpy(p2l.copy()))
+    p2l = runtime.physical_to_logical.cpu().numpy()  # [L, P]
     for layer, weights in enumerate(runtime.expert_weights):
         for s in range(S):
             want = expert_weights_for(args, layer, int(p2l[layer, runtime.rank * S + s]), device)
             for w, v in zip(weights, want):
-                assert torch.equal(w[s], v), f"layer {layer} slot {s} holds the wrong expert"
+                assert torch.equal(w[s], v), f"layer {layer} slot {s} does not match its map"
+
+
+def _check_slots(args, runtime, device):
+    """The committed maps are the runtime's placement, and every local slot holds bitwise
+    the weights of the logical expert they name."""
+    p2l = runtime.placement.physical_to_logical  # [L, P]
+    assert torch.equal(runtime.physical_to_logical.cpu(), torch.from_numpy(p2l.copy()))
+    check_committed(args, runtime, device)
 
 
 def _skewed_bias(step, L, N, rank_seed=0):
