@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace-stride", type=int, default=1, help="trace entries the window moves per step")
     p.add_argument("--bias-strength", type=float, default=DEMO_BIAS_STRENGTH)
     p.add_argument("--policy", default="default")
+    p.add_argument("--planner", choices=["process", "thread"], default="process",
+                   help="async mode: rank 0 plans in a child process (default) or in the "
+                        "rebalance thread (EplbConfig.planner_process)")
     p.add_argument("--weighted", action="store_true", help="weighted replicas (EPLB and oracle)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="also write the summary as JSON")
@@ -169,6 +172,7 @@ class Run:
                   weighted_replicas=self.a.weighted, num_nodes=1)
         if asynchronous:
             kw["async_rebalance"] = True
+            kw["planner_process"] = self.a.planner == "process"
         return EplbConfig(**kw)
 
     def run_mode(self, mode: str, runtime: EplbRuntime, plans: dict[int, Placement] | None = None
@@ -182,6 +186,8 @@ class Run:
         logical = torch.zeros(self.total, L, N, dtype=torch.int64, device=dev)  # [T, L, N]
         moves = np.zeros((self.total, 2))  # [T] (experts moved, rebalance seconds) of events ending then
         step_call = np.zeros(self.total)  # [T] host seconds inside runtime.step() (the step loop's share)
+        fwd_call = np.zeros(self.total)  # [T] host seconds of the forward call (kernel launches)
+        tags: list[str] = [""] * self.total  # [T] what the rebalance in flight did at this step
         for t in range(self.total):
             x = self.tokens(t)
             self.model.set_routing_bias(self.bias[t])
@@ -192,6 +198,10 @@ class Run:
             if plans is not None and t in plans:
                 runtime.apply_placement(plans[t], trigger="oracle")
             self.model(x)
+            fwd_call[t] = time.perf_counter() - t0
+            change = getattr(runtime, "_change", None)  # diagnostics only: the change in flight
+            planning = change is not None and change.ready < 0
+            committed = change.committed if change is not None else 0
             load = runtime.expert_load_pass  # [L, P] this step's counts, before step() folds them
             gpu_load[t] = load.view(L, M, S).sum(-1)
             logical[t] = torch.zeros(L, N, dtype=torch.int64, device=dev).scatter_add_(
@@ -206,6 +216,13 @@ class Run:
             rebalanced = bool(new_events)
             flags[t, 0] = int(rebalanced)
             flags[t, 1] = int(flight_before or _in_flight(runtime))
+            after = getattr(runtime, "_change", None)
+            tags[t] = "+".join(name for name, hit in (
+                ("start", not flight_before and (rebalanced or after is not None)),
+                ("planning", planning),
+                ("switch", rebalanced or (after is not None and after is change
+                                          and after.committed > committed)),
+                ("finish", rebalanced and flight_before)) if hit)
         finish = getattr(runtime, "finish_rebalance", None)
         if finish is not None:
             finish()
@@ -215,7 +232,7 @@ class Run:
         dist.all_reduce(logical, group=self.group)
         return {"seconds": seconds.cpu().numpy(), "flags": flags.cpu().numpy(),
                 "gpu_load": gpu_load.cpu().numpy(), "logical": logical.cpu().numpy(),
-                "moves": moves, "step_call": step_call,
+                "moves": moves, "step_call": step_call, "fwd_call": fwd_call, "tags": tags,
                 "events": [e.summary() for e in runtime.events]}
 
     def oracle_plans(self, logical: np.ndarray) -> dict[int, Placement]:  # step -> placement
@@ -252,6 +269,9 @@ def summarize(a: argparse.Namespace, run: Run, results: dict[str, dict]) -> dict
             "step_call_ms_median_no_rebalance": 1e3 * float(np.median(call[~flight])) if len(quiet) else None,
             "step_call_ms_median_in_flight": 1e3 * float(np.median(call[flight])) if len(busy) else None,
             "step_call_ms_max_in_flight": 1e3 * float(call[flight].max()) if len(busy) else None,
+            # every step, the untimed warm-up too (it starts the first rebalance): one-off costs
+            "step_call_ms_max_all_steps": 1e3 * float(r["step_call"].max()),
+            "step_call_argmax_all_steps": int(r["step_call"].argmax()),
             "balancedness": float(bal.mean()),
             "rebalances": int(flags[:, 0].sum()),
             "experts_moved": int(r["moves"][timed, 0].sum()),
@@ -261,6 +281,12 @@ def summarize(a: argparse.Namespace, run: Run, results: dict[str, dict]) -> dict
             "step_loop_ms_total": 1e3 * sum(e["seconds_step_loop"] for e in r["events"]),
             "agree_wait_ms_total": 1e3 * sum(e["seconds_agree_wait"] for e in r["events"]),
             "switch_ms_total": 1e3 * sum(e["seconds_commit"] for e in r["events"]),
+            # the slowest steps with a rebalance in flight: (step, step ms (slower rank),
+            # rank 0's forward call ms and runtime.step() ms, what the rebalance did)
+            "slowest_in_flight": [
+                (int(a.warmup + i), 1e3 * float(sec[i]), 1e3 * float(r["fwd_call"][a.warmup + i]),
+                 1e3 * float(call[i]), r["tags"][a.warmup + i])
+                for i in np.flatnonzero(flight)[np.argsort(-sec[flight])][:5]],
         }
     return out
 
@@ -275,7 +301,8 @@ def report(a: argparse.Namespace, run: Run, summary: dict, seconds_total: float)
           f"window {a.trace_window} "
           f"stride {a.trace_stride}, bias strength {a.bias_strength}; interval {a.interval}, "
           f"window {a.window}, warm-up {a.warmup} + {a.steps} timed steps; policy {a.policy}"
-          f"{' weighted' if a.weighted else ''}; EPLB mode {a.mode}; "
+          f"{' weighted' if a.weighted else ''}; EPLB mode {a.mode}"
+          f"{f' (planner in a {a.planner})' if a.mode == 'async' else ''}; "
           f"model init {run.seconds_init:.1f} s; total {seconds_total:.1f} s")
     head = (f"{'placement':<8} {'tokens/s':>12} {'vs static':>9} {'balancedness':>12} "
             f"{'step ms':>8} {'rebalances':>10} {'moved':>6}")
@@ -303,12 +330,17 @@ def report(a: argparse.Namespace, run: Run, summary: dict, seconds_total: float)
             print(f"  of which inside runtime.step() (rank 0, host): median "
                   f"{s['step_call_ms_median_no_rebalance']:.3f} ms with no rebalance in flight, "
                   f"{s['step_call_ms_median_in_flight']:.3f} ms with one, max "
-                  f"{s['step_call_ms_max_in_flight']:.3f} ms")
+                  f"{s['step_call_ms_max_in_flight']:.3f} ms; over all steps, warm-up included: max "
+                  f"{s['step_call_ms_max_all_steps']:.3f} ms (step {s['step_call_argmax_all_steps']})")
             if a.mode == "async":
                 print(f"  rebalance work in the step loop (rank 0, all rebalances): "
                       f"{s['step_loop_ms_total']:.2f} ms in total, longest step "
                       f"{s['step_loop_ms_max']:.3f} ms; of the total: waiting for agreements "
                       f"{s['agree_wait_ms_total']:.2f} ms, switching layers {s['switch_ms_total']:.2f} ms")
+            print("  slowest steps in flight (step: step ms, rank 0 forward call ms, "
+                  "runtime.step() ms, what the rebalance did): " + "; ".join(
+                      f"{t}: {ms:.2f}, {f:.2f}, {c:.2f}, {tag or '-'}"
+                      for t, ms, f, c, tag in s["slowest_in_flight"]))
 
 
 def worker(a: argparse.Namespace) -> int:

@@ -49,6 +49,12 @@ class EplbConfig:
     """Plan and move weights in a background thread (side CUDA stream, own process group)
     while `step()` keeps serving; each layer's weights and maps switch together at a step
     boundary that all ranks agree on. False: `rebalance()` does everything before returning."""
+    planner_process: bool = True
+    """Asynchronous mode: rank 0 plans in a child process (`eplb.planner_process`) rather
+    than in the rebalance thread, so planning never holds the serving process's GIL (held,
+    it delays the step loop's kernel launches). Policies registered at run time are only
+    known in this process: they are planned in the thread. Costs one Python process
+    (with torch imported) on rank 0."""
     transport: str = "nccl"
     """How expert weights travel between ranks: "nccl" (point-to-point over the EP group's
     backend, coalesced per peer in messages of up to 1 GiB; gloo on CPU), "ipc" (CUDA IPC
@@ -102,6 +108,8 @@ class EplbConfig:
                              "['auto', 'nccl', 'ipc']")
         if not isinstance(self.async_rebalance, bool):
             raise ValueError(f"async_rebalance must be a bool, got {self.async_rebalance!r}")
+        if not isinstance(self.planner_process, bool):
+            raise ValueError(f"planner_process must be a bool, got {self.planner_process!r}")
         if (isinstance(self.transfer_timeout, bool) or not isinstance(self.transfer_timeout, (int, float))
                 or not 0 < self.transfer_timeout <= 86400):
             raise ValueError(f"transfer_timeout must be seconds in (0, 86400], got {self.transfer_timeout!r}")

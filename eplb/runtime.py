@@ -24,6 +24,7 @@ import torch.distributed as dist
 from eplb.config import EplbConfig
 from eplb.control import RebalanceRequests, agree, control_group, new_group_like
 from eplb.placement import Placement, balancedness_of_gpu_loads
+from eplb.planner_process import PlannerProcess, PlannerProcessError
 from eplb.planning import plan
 from eplb.protocol import MixtureOfExperts, missing_members, replica_cdf, supports_replica_weights
 from eplb.recorder import LoadRecorder
@@ -158,10 +159,15 @@ class EplbRuntime:
             # model's and never shares a group with the step loop's agreements
             self._plan_group = control_group(group, self.config.transfer_timeout)
             self._transfer_group = self._new_transfer_group()
+        # the first window sum launches its kernels for the first time (on a GPU, lazy
+        # module loading): do it now rather than inside the step that starts a rebalance
+        self.recorder.window_load(self.group, decay=self.config.load_decay)
         # collective (IPC: every rank maps its peers' expert tensors once)
         self.transport = make_transport(self.config.transport if self.world_size > 1 else "nccl",
                                         self.expert_weights, self._transfer_group)
+        self._planner: PlannerProcess | None = None  # rank 0, asynchronous mode
         if self.rank == 0 and self.config.async_rebalance:
+            self._planner = self._start_planner_process() if self.config.planner_process else None
             self._warm_up_planner()
         self._change: PlacementChange | None = None  # the rebalance in flight (async mode)
         self._change_info: dict = {}
@@ -174,15 +180,35 @@ class EplbRuntime:
             self.apply_placement(target, trigger="initial")
 
     # ---- set-up helpers ----------------------------------------------------------
+    def _start_planner_process(self) -> PlannerProcess | None:
+        """The child process rank 0 plans in (asynchronous mode), or None to plan in the
+        rebalance thread: when the policy was registered at run time (unknown in the
+        child) or the child cannot start."""
+        try:
+            planner = PlannerProcess()
+            if planner.can_plan(self.config.policy):
+                return planner
+            planner.close()
+            log.info("eplb: policy %r is not built in: planning in the rebalance thread",
+                     self.config.policy)
+        except (OSError, PlannerProcessError) as e:
+            log.warning("eplb: the planner process did not start (%s): planning in the "
+                        "rebalance thread", e)
+        return None
+
+    def _plan(self, load: np.ndarray) -> Placement:
+        """Rank 0's planning call: in the planner process when there is one."""
+        fn = self._planner.plan if self._planner is not None else plan
+        return fn(load, self.world_size, self.placement.num_slots, self.config.num_nodes,
+                  self.model.num_expert_groups, self.config.policy, previous=self.placement,
+                  move_tolerance=self.config.move_tolerance, weighted=self.config.weighted_replicas)
+
     def _warm_up_planner(self) -> None:
         """Plan once on a uniform load, now: the first plan of a process pays for imports
         and first-call costs (tens of ms of Python holding the GIL), which would otherwise
-        land in the background thread during the first rebalance and delay the steps
-        served beside it."""
+        land in the first rebalance and, in the thread, delay the steps served beside it."""
         L, N = self.placement.num_layers, self.placement.num_logical_experts
-        plan(np.ones((L, N)), self.world_size, self.placement.num_slots, self.config.num_nodes,
-             self.model.num_expert_groups, self.config.policy, previous=self.placement,
-             move_tolerance=self.config.move_tolerance, weighted=self.config.weighted_replicas)
+        self._plan(np.ones((L, N)))
 
     @staticmethod
     def _find_device(model) -> torch.device:
@@ -315,10 +341,7 @@ class EplbRuntime:
         error = None
         if self.rank == 0:
             try:
-                planned = plan(load, self.world_size, P, self.config.num_nodes,
-                               self.model.num_expert_groups, self.config.policy, previous=self.placement,
-                               move_tolerance=self.config.move_tolerance,
-                               weighted=self.config.weighted_replicas)
+                planned = self._plan(load)
                 msg[:L * P].copy_(torch.from_numpy(planned.physical_to_logical.ravel().astype(np.float64)))
                 if planned.shares is not None:
                     msg[L * P:2 * L * P].copy_(torch.from_numpy(planned.shares.ravel().copy()))
@@ -369,6 +392,9 @@ class EplbRuntime:
         for change in self._stale:
             change.join(max(0.0, deadline - time.monotonic()))
         self._stale = [c for c in self._stale if c.thread_alive]
+        if self._planner is not None:
+            self._planner.close()
+            self._planner = None
         close_transport = getattr(self.transport, "close", None)
         if close_transport is not None:  # IPC: drop the mappings of the peers' tensors
             close_transport()

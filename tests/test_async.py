@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import device_for, run_distributed
+from _dist import BACKEND, device_for, run_distributed
 from eplb.config import EplbConfig
 from eplb.runtime import EplbRuntime
 from test_runtime import _args, _skewed_bias, check_committed
 
 
-def _serving_body(rank, world):
+def _serving_body(rank, world, transport="nccl"):
     from moe import DenseMoEModel, MoEModel, sample_tokens
 
     device = device_for(rank)
@@ -21,7 +21,8 @@ def _serving_body(rank, world):
     model = MoEModel(args, group=dist.group.WORLD, device=device)
     runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=world, window_size=4,
                                             rebalance_interval=6, move_tolerance=0.0,
-                                            async_rebalance=True))
+                                            async_rebalance=True, transport=transport))
+    assert runtime.transport.name == transport
     reference = DenseMoEModel(args, device=device)
     L, N = args.num_layers, args.num_experts
     ptrs = [w.data_ptr() for ws in runtime.expert_weights for w in ws]
@@ -61,6 +62,12 @@ def _serving_body(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_async_rebalance_serves_correctly_at_every_step(world):
     run_distributed(_serving_body, world)
+
+
+@pytest.mark.skipif(BACKEND != "nccl" or torch.cuda.device_count() < 2,
+                    reason="CUDA IPC needs EPLB_TEST_BACKEND=nccl and 2 GPUs (GPU machine)")
+def test_async_rebalance_over_cuda_ipc():
+    run_distributed(_serving_body, 2, "ipc")
 
 
 def _explicit_body(rank, world):
