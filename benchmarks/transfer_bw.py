@@ -17,11 +17,6 @@ It measures, in the same run:
     all in one `batch_isend_irecv`) and the new transports (`nccl` coalesced and chunked,
     at several chunk sizes; `ipc` pulls through CUDA IPC).
 
-(c) the runtime's own path: `PlacementChange.run()` (a synchronous rebalance) moving
-    `--layers` layers in one change, where each layer's exchange overlaps the previous
-    layer's write of staging into the slots (`transfer.StagingRelease`): per-layer GB/s
-    including every write, with one staging buffer.
-
 Per method and case it prints the median time of `exchange_layer` (the network phase,
 what an asynchronous rebalance overlaps with serving) and of the whole layer (exchange +
 write), the per-direction GB/s (bytes one rank receives / time; both directions run at
@@ -291,99 +286,6 @@ def _layers(rank: int, device, group, cfg: dict, out: dict) -> None:
             t.close()
     methods, made, transport = [], [], None
     dist.barrier()  # every rank dropped its mappings of the peer's weights
-    if cfg["layers"] > 0:
-        del weights, w13, w2
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.ipc_collect()
-            torch.cuda.empty_cache()
-        _runtime_path(rank, device, group, cfg, out, cases)
-
-
-def _runtime_path(rank: int, device, group, cfg: dict, out: dict, cases: dict) -> None:
-    """(c) The runtime's path: `PlacementChange.run()` (synchronous rebalance) moving
-    `cfg["layers"]` layers at once, each layer's exchange overlapping the previous layer's
-    write of staging into the slots. One staging buffer, as in the runtime."""
-    from eplb.placement import Placement
-    from eplb.placement_change import PlacementChange
-
-    cuda = device.type == "cuda"
-    L, S, H, I = cfg["layers"], cfg["experts"] // 2, cfg["hidden"], cfg["intermediate"]
-    dtype = getattr(torch, cfg["dtype"])
-    layers = [[torch.empty(S, 2 * I, H, dtype=dtype, device=device),  # [S, 2I, H]
-               torch.empty(S, H, I, dtype=dtype, device=device)] for _ in range(L)]  # [S, H, I]
-    bases = [_base(w.shape[1:], w.element_size(), device) for w in layers[0]]
-    layer_bytes = sum(w.nbytes for w in layers[0])
-    control = dist.new_group(backend="gloo")
-    local = slice(rank * S, (rank + 1) * S)
-    transports = [("nccl", P2PTransport(DEFAULT_CHUNK_BYTES))]
-    if cuda and "ipc" in cfg["methods"]:
-        transports.append(("ipc", make_transport("ipc", layers, group)))
-    if rank == 0:
-        print(f"(c) PlacementChange.run() (synchronous rebalance), {L} layers of "
-              f"{layer_bytes / 1e9:.2f} GB per rank, writes overlapping the next exchange")
-        print("| transport | case | GB in (all layers) | total ms | per layer ms | GB/s | x raw | "
-              "peak extra GB | bad slots |")
-        print("|---|---|---|---|---|---|---|---|---|", flush=True)
-    for name, transport in transports:
-        for case, (old, new) in cases.items():
-            rows = [np.tile(old, (L, 1)), np.tile(new, (L, 1))]  # [L, P] each
-            placements = [Placement(r, 2 * S, 2) for r in rows]
-            for ws in layers:
-                for w, base in zip(ws, bases):
-                    fill(w, old[local], base)
-            maps = [torch.from_numpy(rows[0].copy()).to(device)]  # [L, P]
-            received = sum(plan_layer_transfer(old, new, 2, rank).num_received for _ in range(L))
-            received *= layer_bytes // S
-            sync(cuda)
-            if cuda:
-                torch.cuda.empty_cache()
-                base_mem = torch.cuda.memory_allocated(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            times = []
-            n_iter = cfg["warmup"] + cfg["iters"]
-            n_iter += n_iter % 2
-            for it in range(n_iter):
-                src, dst = placements[it % 2], placements[1 - it % 2]
-                change = PlacementChange(
-                    src, lambda dst=dst: dst, layers, maps,
-                    lambda p: (torch.from_numpy(p.physical_to_logical.copy()),), rank=rank,
-                    num_ranks=2, num_nodes=1, transfer_group=group, control_group=control,
-                    device=device, transport=transport)
-                dist.barrier()
-                sync(cuda)
-                t0 = time.perf_counter()
-                change.run()
-                sync(cuda)
-                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                if it >= cfg["warmup"]:
-                    times.append(float(t[0]))
-            peak = (torch.cuda.max_memory_allocated(device) - base_mem) if cuda else None
-            bad = sum(count_bad(w, old[local], base) for ws in layers for w, base in zip(ws, bases))
-            bad_all = torch.tensor([bad], dtype=torch.int64, device=device)
-            dist.all_reduce(bad_all)
-            total = statistics.median(times)
-            raw = out["raw_peer_copy_GBps"]
-            res = {"path": "placement_change", "transport": name, "case": case, "layers": L,
-                   "bytes_received": received, "total_ms": total * 1e3,
-                   "per_layer_ms": total * 1e3 / L, "GBps": received / total / 1e9,
-                   "peak_extra_bytes": peak, "layer_bytes": layer_bytes,
-                   "bad_slots_all_ranks": int(bad_all[0]), "iters": len(times)}
-            if raw:
-                res["ratio"] = res["GBps"] / raw
-            out.setdefault("runtime_path", []).append(res)
-            if rank == 0:
-                ratio = f"{res['ratio']:.3f}" if raw else "-"
-                peak_gb = "-" if peak is None else f"{peak / 1e9:.3f}"
-                print(f"| {name} | {case} | {received / 1e9:.3f} | {total * 1e3:.2f} | "
-                      f"{total * 1e3 / L:.2f} | {res['GBps']:.1f} | {ratio} | {peak_gb} | "
-                      f"{res['bad_slots_all_ranks']} |", flush=True)
-    for _name, t in transports:
-        if hasattr(t, "close"):
-            t.close()
-    dist.barrier()
-    dist.destroy_process_group(control)
 
 
 def _exchange(name, transport, plan, weights, group, staging) -> int:
@@ -439,18 +341,14 @@ def main(argv=None) -> int:
                     help="chunk sizes of the nccl transport, e.g. 64M,256M,1G")
     ap.add_argument("--methods", default=None, help="legacy,nccl,ipc,auto")
     ap.add_argument("--raw-gib", type=float, default=2.0, help="size of the raw peer copy")
-    ap.add_argument("--layers", type=int, default=None,
-                    help="layers moved at once through PlacementChange.run() in (c) (GPU 4, "
-                         "--cpu 3; 0 = skip)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     if a.cpu:
         d = dict(experts=16, hidden=64, intermediate=32, dtype="float32", iters=2,
-                 chunks="4K,32K,1M", methods="legacy,nccl,auto", layers=3)
+                 chunks="4K,32K,1M", methods="legacy,nccl,auto")
     else:
         d = dict(experts=256, hidden=7168, intermediate=2048, dtype="bfloat16", iters=8,
-                 chunks=f"64M,256M,{DEFAULT_CHUNK_BYTES >> 20}M,4G", methods="legacy,nccl,ipc,auto",
-                 layers=4)
+                 chunks=f"64M,256M,{DEFAULT_CHUNK_BYTES >> 20}M,4G", methods="legacy,nccl,ipc,auto")
         if torch.cuda.device_count() < 2:
             print(f"needs 2 GPUs, {torch.cuda.device_count()} visible (use --cpu)", file=sys.stderr)
             return 2
@@ -462,8 +360,7 @@ def main(argv=None) -> int:
                warmup=a.warmup, partial=a.partial, seed=a.seed,
                chunks=sorted({parse_bytes(c) for c in pick["chunks"].split(",")}),
                methods=pick["methods"].split(","),
-               raw_bytes=0 if a.cpu else int(a.raw_gib * 2**30), raw_iters=10,
-               layers=pick["layers"])
+               raw_bytes=0 if a.cpu else int(a.raw_gib * 2**30), raw_iters=10)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -40,15 +40,10 @@ import torch.distributed as dist
 from eplb import transfer as _transfer
 from eplb.control import PendingMin, agree_min
 from eplb.placement import Placement
-from eplb.transfer import (LayerTransferPlan, StagingRelease, TransferVerificationError,
-                           allocate_staging, first_slot_of_expert, plan_layer_transfer,
-                           slot_checksums)
+from eplb.transfer import (LayerTransferPlan, TransferVerificationError, allocate_staging,
+                           first_slot_of_expert, plan_layer_transfer, slot_checksums)
 
 log = logging.getLogger("eplb.placement_change")
-
-WRITE_PIECES = 8
-"""A layer's write reads staging in this many pieces, each followed by an event, so the next
-layer's exchange can reuse rows that are already read (`transfer.StagingRelease`)."""
 
 
 class RebalanceError(RuntimeError):
@@ -129,7 +124,7 @@ class PlacementChange:
         self._staging: list[torch.Tensor] | None = None
         self._new_maps: list[torch.Tensor] = []
         self._ready_events: list = []
-        self._releases: list = []  # per layer: when its write has read staging (CUDA)
+        self._write_events: list = []
 
     # ---- state -------------------------------------------------------------------
     @property
@@ -147,16 +142,12 @@ class PlacementChange:
 
     # ---- driving -----------------------------------------------------------------
     def run(self) -> None:
-        """Synchronous: plan, then exchange, agree and switch every layer, on this thread.
-        On CUDA the exchanges run on a side stream, so the next layer's exchange overlaps
-        this layer's write (on the caller's stream) wherever staging rows were read."""
+        """Synchronous: plan, then exchange, agree and switch every layer, on this thread."""
         stages = self._stages()
-        side = torch.cuda.Stream(self.device) if self.cuda else None
         while not self.finished:
             if self.error is None:
                 try:
-                    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                        next(stages)
+                    next(stages)
                 except StopIteration:
                     pass
                 except Exception as e:  # noqa: BLE001 - every failure goes through the agreement
@@ -279,9 +270,7 @@ class PlacementChange:
     def _stages(self):
         """Generator: plan (yield), then per changed layer exchange into staging (yield).
         Before each exchange it waits until the previous layer switched (one staging
-        buffer: at most one layer of local experts of extra memory); on CUDA each write into
-        staging then waits on the stream only until the previous layer's write has read the
-        rows it overwrites (`StagingRelease`), so the two overlap."""
+        buffer: at most one layer of local experts of extra memory)."""
         t0 = time.perf_counter()
         if self._start_event is not None:
             torch.cuda.current_stream(self.device).wait_event(self._start_event)
@@ -296,7 +285,7 @@ class PlacementChange:
         with self._cv:
             self.new, self.layers, self._new_maps = new, layers, new_maps
             n = len(layers)
-            self._plans, self._ready_events, self._releases = [None] * n, [None] * n, [None] * n
+            self._plans, self._ready_events, self._write_events = [None] * n, [None] * n, [None] * n
             self.ready = 0
         yield
         for i, layer in enumerate(layers):
@@ -305,8 +294,8 @@ class PlacementChange:
                     self._cv.wait(0.05)
                 if self._stop:
                     return
-            # staging rows are reused as soon as the previous layer's write has read them
-            after = self._releases[i - 1] if i > 0 else None
+            if self.cuda and i > 0:  # staging is free once the previous layer's write ran
+                torch.cuda.current_stream(self.device).wait_event(self._write_events[i - 1])
             weights = self.weights[layer]
             plan = plan_layer_transfer(old_p2l[layer], new_p2l[layer], self.num_ranks, self.rank,
                                        self.num_nodes)
@@ -314,9 +303,7 @@ class PlacementChange:
                 self._staging = allocate_staging(weights)
             old_sums = self._gather_checksums(weights) if self.verify else None  # [P]
             _transfer.exchange_layer(plan, weights, self.transfer_group, self._staging,
-                                     transport=self.transport, after=after)
-            if after is not None:  # a layer with nothing to exchange must not skip the wait
-                after.wait(StagingRelease.ALL)
+                                     transport=self.transport)
             if old_sums is not None:
                 self._check_staging(layer, plan, old_sums)
             event = None
@@ -343,10 +330,13 @@ class PlacementChange:
                 # from being reused before this stream has read them
                 for t in (*self._staging, *self._new_maps):
                     t.record_stream(stream)
-            self._releases[i] = _transfer.write_layer(self._plans[i], self.weights[layer],
-                                                      self._staging, release_pieces=WRITE_PIECES)
+            _transfer.write_layer(self._plans[i], self.weights[layer], self._staging)
             for dst, src in zip(self.maps, self._new_maps):
                 dst[layer].copy_(src[layer])
+            if self.cuda:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+                self._write_events[i] = event
         except Exception as e:  # noqa: BLE001
             self._stop_thread()
             raise EplbFatalError(f"writing layer {layer} failed ({type(e).__name__}: {e}); its "

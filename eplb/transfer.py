@@ -61,7 +61,6 @@ __all__ = [
     "write_layer",
     "staging_rows",
     "allocate_staging",
-    "StagingRelease",
     "P2PTransport",
     "IpcTransport",
     "make_transport",
@@ -390,12 +389,10 @@ def _runs(a, b) -> list[tuple[int, int, int]]:
     return [(int(a[s]), int(b[s]), int(e - s)) for s, e in zip(starts, ends)]
 
 
-def _stage_local(plan: LayerTransferPlan, weights, staging, after: "StagingRelease | None") -> None:
+def _stage_local(plan: LayerTransferPlan, weights, staging) -> None:
     """Phase 1: local sources that will be overwritten go to their staging rows."""
     rows = np.flatnonzero(plan.stage_src_slot >= 0)  # [K_local]
     for src, row, n in _runs(plan.stage_src_slot[rows], rows):
-        if after is not None:  # the previous layer's write has read these rows
-            after.wait(row + n)
         for w, b in zip(weights, staging):
             b[row:row + n].copy_(w[src:src + n])
 
@@ -483,10 +480,8 @@ class _Arena:
     """Pack buffers carved first from the staging rows this layer does not use (rows
     `K ..` of a staging buffer allocated for S rows), then freshly allocated."""
 
-    def __init__(self, staging: list[torch.Tensor], rows_used: int,
-                 after: "StagingRelease | None" = None) -> None:
+    def __init__(self, staging: list[torch.Tensor], rows_used: int) -> None:
         self.free = []  # [uint8 region, bytes taken]
-        self.after = after
         for b in staging:
             if b.shape[0] > rows_used:
                 self.free.append([b.view(-1)[rows_used * b[0].numel():].view(torch.uint8), 0])
@@ -497,8 +492,6 @@ class _Arena:
         for region in self.free:
             start = region[1] + (-(region[0].data_ptr() + region[1])) % 16
             if start + nbytes <= region[0].numel():
-                if region[1] == 0 and self.after is not None:  # the previous write read these rows
-                    self.after.wait(self.after.ALL)
                 region[1] = start + nbytes
                 return region[0][start:start + nbytes], False
         return torch.empty(nbytes, dtype=torch.uint8, device=device), True
@@ -548,8 +541,8 @@ class P2PTransport:
 
     @torch.no_grad()
     def exchange(self, plan: LayerTransferPlan, weights: list[torch.Tensor], group,
-                 staging: list[torch.Tensor], after: "StagingRelease | None" = None) -> int:
-        _stage_local(plan, weights, staging, after)
+                 staging: list[torch.Tensor]) -> int:
+        _stage_local(plan, weights, staging)
         sizes = [(w[0].numel(), w.element_size()) for w in weights]  # per tensor (E, itemsize)
         sends = []  # (global peer, slots, [(tensor, lo, hi, view or None)])
         pack_need: dict[int, int] = {}  # peer -> largest packed message (bytes)
@@ -570,7 +563,7 @@ class P2PTransport:
 
         import torch.distributed as dist
 
-        arena = _Arena(staging, plan.num_staged, after)
+        arena = _Arena(staging, plan.num_staged)
         banks: list[dict[int, torch.Tensor]] = [{}, {}]  # per round parity: peer -> uint8 buffer
         pending: list[tuple[list, list]] = []  # per round: (works, tensors kept alive)
         received = 0
@@ -599,8 +592,6 @@ class P2PTransport:
                 if r >= len(msgs):
                     continue
                 i, lo, hi = msgs[r]
-                if after is not None:  # the rows this message lands in were written out
-                    after.wait(row0 + -(-hi // sizes[i][0]))
                 t = staging[i][row0:row0 + n].view(-1)[lo:hi]
                 ops.append(dist.P2POp(dist.irecv, t, gq, group))
                 keep.append(t)
@@ -737,11 +728,11 @@ class IpcTransport:
 
     @torch.no_grad()
     def exchange(self, plan: LayerTransferPlan, weights: list[torch.Tensor], group,
-                 staging: list[torch.Tensor], after: "StagingRelease | None" = None) -> int:
+                 staging: list[torch.Tensor]) -> int:
         import torch.distributed as dist
 
         layer = self._layer(weights)
-        _stage_local(plan, weights, staging, after)
+        _stage_local(plan, weights, staging)
         sends, blocks = _send_lists(plan), _peer_blocks(plan)
         self.last_messages = len(sends) + len(blocks)
         if not sends and not blocks:
@@ -763,8 +754,6 @@ class IpcTransport:
             peer = self._peers[q][layer]
             with torch.cuda.stream(self._streams[q]):  # copies run on the peer GPU's side stream
                 for s0, r0, m in _runs(slots, np.arange(row0, row0 + n)):
-                    if after is not None:
-                        after.wait(r0 + m, self._streams[q])
                     for b, pw in zip(staging, peer):
                         b[r0:r0 + m].copy_(pw[s0:s0 + m])
                         received += b[r0:r0 + m].nbytes
@@ -842,8 +831,7 @@ def _resolve(transport):
 
 
 def exchange_layer(plan: LayerTransferPlan, weights: Sequence[torch.Tensor], group,
-                   staging: Sequence[torch.Tensor], *, transport=None,
-                   after: "StagingRelease | None" = None) -> int:
+                   staging: Sequence[torch.Tensor], *, transport=None) -> int:
     """Phases 1 and 2 of one layer: fill staging rows `0 .. plan.num_staged - 1` (local
     copies of sources that will be overwritten, and the experts received from peers).
     Reads `weights` and never writes them. Returns bytes received.
@@ -855,10 +843,6 @@ def exchange_layer(plan: LayerTransferPlan, weights: Sequence[torch.Tensor], gro
     `transport`: None or "nccl" (`P2PTransport` with `DEFAULT_CHUNK_BYTES`), or an object
     from `make_transport`. Every rank of `group` with a non-noop plan for the layer must
     call it (plans of all ranks come from the same rows); noop ranks may skip it.
-    `after`: what `write_layer(..., release_pieces=...)` returned for the previous layer
-    written from this same staging buffer (CUDA): each write into staging then waits only
-    for the rows it overwrites to have been read, so this exchange overlaps the tail of
-    that write; None when staging is free (or the caller waited for the whole write).
     """
     weights = _check_weights(plan, weights)
     if plan.is_noop:
@@ -867,92 +851,26 @@ def exchange_layer(plan: LayerTransferPlan, weights: Sequence[torch.Tensor], gro
         raise ValueError("staging is required: allocate_staging(weights, staging_rows(plan))")
     staging = list(staging)
     _check_staging(staging, weights, plan.num_staged)
-    transport = _resolve(transport)
-    if after is None:
-        return transport.exchange(plan, weights, group, staging)
-    return transport.exchange(plan, weights, group, staging, after=after)
-
-
-class StagingRelease:
-    """When `write_layer` will have read its staging buffer, range by range (CUDA).
-
-    `marks`: `(bound, event)` pairs in the order they were queued on the write's stream:
-    once `event` completes, staging rows `< bound` (of every staging tensor) have been
-    read; the last pair's bound is `ALL`. No pairs: staging was not read at all. Waiting
-    for the first pair that covers a range is enough (one stream, in order)."""
-
-    ALL = 1 << 62
-
-    def __init__(self, marks: list[tuple[int, "torch.cuda.Event"]], device: torch.device):
-        self.marks = marks
-        self.device = device
-
-    def wait(self, row_end: int, stream=None) -> None:
-        """Make `stream` (default: the current one) wait until staging rows `[0, row_end)`
-        have been read by the write."""
-        for bound, event in self.marks:
-            if bound >= row_end:
-                (stream or torch.cuda.current_stream(self.device)).wait_event(event)
-                return
-
-
-def _pieces(runs: list[tuple[int, int, int]], rows: int) -> list[list[tuple[int, int, int]]]:
-    """Split `(dst, src, n)` runs, sorted by src, into consecutive pieces of at most `rows`
-    rows (a run may be cut)."""
-    out, cur, used = [], [], 0
-    for d, s, n in runs:
-        while n > 0:
-            take = min(n, rows - used)
-            cur.append((d, s, take))
-            d, s, n, used = d + take, s + take, n - take, used + take
-            if used == rows:
-                out.append(cur)
-                cur, used = [], 0
-    if cur:
-        out.append(cur)
-    return out
+    return _resolve(transport).exchange(plan, weights, group, staging)
 
 
 @torch.no_grad()
 def write_layer(plan: LayerTransferPlan, weights: Sequence[torch.Tensor],
-                staging: Sequence[torch.Tensor], *, release_pieces: int = 0
-                ) -> StagingRelease | None:
+                staging: Sequence[torch.Tensor]) -> None:
     """Phase 3 of one layer, on the current stream: write every changed slot from its staging
     row or from an unchanged local slot holding the same expert (one `copy_` per run of
-    consecutive slots); unchanged slots are never written, storage and `data_ptr` stay.
-
-    `release_pieces > 0` (CUDA): read staging in ascending rows, per tensor in that many
-    pieces (all tensors of a piece, then an event), and return the `StagingRelease` that lets the next
-    layer's `exchange_layer(..., after=...)` reuse rows as soon as they are read."""
+    consecutive slots); unchanged slots are never written, storage and `data_ptr` stay."""
     weights = _check_weights(plan, weights)
     st = plan.write_from_stage  # [W]
-    cuda = bool(weights) and weights[0].is_cuda
-    marks: list = []  # (rows read below this bound, event)
     if st.any():  # staging is only read when some slot comes from it
         staging = list(staging)
         _check_staging(staging, weights, plan.num_staged)
-        order = np.argsort(plan.write_src[st], kind="stable")  # ascending staging row
-        runs = _runs(plan.write_dst[st][order], plan.write_src[st][order])
-        if release_pieces > 0 and cuda:
-            pieces = _pieces(runs, max(1, -(-plan.num_staged // release_pieces)))
-            for k, piece in enumerate(pieces):
-                for dst, src, n in piece:
-                    for w, b in zip(weights, staging):
-                        w[dst:dst + n].copy_(b[src:src + n])
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(weights[0].device))
-                marks.append((pieces[k + 1][0][1] if k + 1 < len(pieces) else StagingRelease.ALL,
-                              event))
-        else:
-            for dst, src, n in runs:
-                for w, b in zip(weights, staging):
-                    w[dst:dst + n].copy_(b[src:src + n])
+    for dst, src, n in _runs(plan.write_dst[st], plan.write_src[st]):
+        for w, b in zip(weights, staging):
+            w[dst:dst + n].copy_(b[src:src + n])
     for dst, src, n in _runs(plan.write_dst[~st], plan.write_src[~st]):
         for w in weights:
             w[dst:dst + n].copy_(w[src:src + n])
-    if release_pieces > 0 and cuda:
-        return StagingRelease(marks, weights[0].device)
-    return None
 
 
 def execute_layer_transfer(plan: LayerTransferPlan, weights: Sequence[torch.Tensor],

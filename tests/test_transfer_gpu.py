@@ -179,72 +179,14 @@ def _large_experts(rank: int, world: int) -> None:
     ipc.close()
 
 
-def _overlapped_layers(rank: int, world: int) -> None:
-    """PlacementChange over several layers, synchronous and asynchronous, NCCL (small
-    messages: many rounds, each waiting on the previous layer's write) and IPC: each
-    layer's exchange reuses staging rows while the previous layer's write still reads
-    others (`StagingRelease`). Random placements with replicas (local copies, packed
-    sends): every slot bitwise equal to its expert after every change."""
-    from eplb.placement import Placement
-    from eplb.placement_change import PlacementChange
-    from test_transfer_dist import random_p2l
-
-    device = device_for(rank)
-    group = dist.group.WORLD
-    control = dist.new_group(backend="gloo")
-    L, N, P, H, I = 4, 24, 32, 512, 512
-    S = P // world
-    g = torch.Generator(device=device).manual_seed(3)
-    # [L, N, ...] every expert of every layer, the same on both ranks
-    all13 = torch.randn(L, N, 2 * I, H, generator=g, device=device).to(torch.bfloat16)
-    all2 = torch.randn(L, N, H, I, generator=g, device=device).to(torch.bfloat16)
-    rng = np.random.default_rng(5)
-    current = Placement.initial(L, N, P, world)
-    local = slice(rank * S, (rank + 1) * S)
-
-    def fill(p2l):  # [L, P]
-        idx = torch.as_tensor(p2l[:, local], device=device)
-        return [[all13[l][idx[l]].clone(), all2[l][idx[l]].clone()] for l in range(L)]
-
-    weights = fill(current.physical_to_logical)
-    maps = [torch.as_tensor(current.physical_to_logical, device=device).clone()]  # [L, P]
-    ipc = make_transport("ipc", weights, group)
-    steps = 0
-    for transport in (P2PTransport(256 << 10), ipc):
-        for asynchronous in (False, True):
-            for _ in range(3):
-                new = Placement(random_p2l(rng, L, N, P), N, world)
-                change = PlacementChange(
-                    current, lambda new=new: new, weights, maps,
-                    lambda p: (torch.from_numpy(p.physical_to_logical.copy()),), rank=rank,
-                    num_ranks=world, num_nodes=1, transfer_group=group, control_group=control,
-                    device=device, transport=transport)
-                if asynchronous:
-                    change.start()
-                    while not change.advance():
-                        steps += 1
-                else:
-                    change.run()
-                torch.cuda.current_stream(device).synchronize()
-                current = new
-                idx = torch.as_tensor(new.physical_to_logical[:, local], device=device)
-                for l in range(L):
-                    assert torch.equal(weights[l][0], all13[l][idx[l]]), (transport, asynchronous, l)
-                    assert torch.equal(weights[l][1], all2[l][idx[l]]), (transport, asynchronous, l)
-                assert torch.equal(maps[0].cpu(), torch.from_numpy(new.physical_to_logical))
-    assert steps > 0
-    ipc.close()
-    dist.destroy_process_group(control)
-
-
 def _all(rank: int, world: int) -> None:
     import faulthandler
     import sys
     import traceback
 
-    faulthandler.dump_traceback_later(150, exit=True)  # a hang prints every thread's stack
+    faulthandler.dump_traceback_later(80, exit=True)  # a hang prints every thread's stack
     try:
-        for phase in (_split_halves, _back_to_back, _large_experts, _overlapped_layers):
+        for phase in (_split_halves, _back_to_back, _large_experts):
             print(f"rank {rank}: {phase.__name__}", flush=True)
             phase(rank, world)
             # IPC shutdown order: mappings closed on every rank, then the weights go
@@ -261,4 +203,4 @@ def _all(rank: int, world: int) -> None:
 
 
 def test_transports_on_two_gpus():
-    run_distributed(_all, 2, timeout=200)
+    run_distributed(_all, 2, timeout=110)

@@ -224,34 +224,3 @@ def test_bad_inputs():
         plan_layer_transfer(np.arange(4), np.arange(4), 2, 2)
     with pytest.raises(ValueError, match="num_nodes"):
         plan_layer_transfer(np.arange(4), np.arange(4), 2, 0, num_nodes=3)
-
-
-def test_write_pieces_cover_every_run_in_ascending_staging_rows():
-    """`_pieces` (how `write_layer(release_pieces=...)` splits a layer's write): every run
-    kept, in order, cut so no piece holds more than `rows` rows."""
-    from eplb.transfer import _pieces
-
-    runs = [(10, 0, 5), (3, 5, 1), (20, 6, 7)]  # (dst, src, n), ascending src
-    for rows in (1, 2, 3, 5, 13, 100):
-        pieces = _pieces(runs, rows)
-        assert all(sum(n for _d, _s, n in p) <= rows for p in pieces)
-        flat = [(d + k, s + k) for p in pieces for d, s, n in p for k in range(n)]
-        want = [(d + k, s + k) for d, s, n in runs for k in range(n)]
-        assert flat == want
-        srcs = [s for _d, s in flat]
-        assert srcs == sorted(srcs)
-    assert _pieces([], 4) == []
-
-
-def test_write_layer_on_cpu_ignores_release_pieces():
-    import torch
-
-    from eplb.transfer import allocate_staging, exchange_layer, write_layer
-
-    old, new = np.array([0, 1, 2, 3]), np.array([1, 0, 2, 3])
-    plan = plan_layer_transfer(old, new, 1, 0)
-    w = torch.arange(12.0).reshape(4, 3)
-    staging = allocate_staging([w], plan.num_staged)
-    exchange_layer(plan, [w], None, staging)  # one rank: local moves into staging
-    assert write_layer(plan, [w], staging, release_pieces=4) is None
-    assert torch.equal(w, torch.arange(12.0).reshape(4, 3)[[1, 0, 2, 3]])
