@@ -28,6 +28,11 @@ def device_for(rank: int) -> torch.device:
 
 
 def _entry(rank, world_size, port, fn, args):
+    watchdog = float(os.environ.get("EPLB_TEST_WATCHDOG", "0"))
+    if watchdog > 0:  # debugging a hang: every thread's stack after that many seconds
+        import faulthandler
+
+        faulthandler.dump_traceback_later(watchdog, exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
