@@ -70,6 +70,8 @@ class PlacementChange:
     as failed (the agreement then aborts it everywhere).
     Groups: `transfer_group` carries the weights (EP backend), `control_group` (gloo) the
     step loop's agreements, `plan_group` (gloo) the thread's small CPU collectives.
+    `stream`: the side CUDA stream of the background thread (asynchronous mode; None
+    creates one, which initialises torch's stream pool the first time).
     """
 
     def __init__(self, old: Placement, plan_fn: Callable[[], Placement],
@@ -77,7 +79,7 @@ class PlacementChange:
                  maps_of: Callable[[Placement], Sequence[torch.Tensor]], *, rank: int,
                  num_ranks: int, num_nodes: int, transfer_group, control_group, plan_group=None,
                  verify: bool = False, timeout: float = 300.0, device: torch.device | None = None,
-                 transport=None) -> None:
+                 transport=None, stream=None) -> None:
         self.old = old
         self.plan_fn = plan_fn
         self.weights = [list(w) for w in weights]
@@ -90,6 +92,7 @@ class PlacementChange:
         self.device = device if device is not None else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
         self.transport = transport  # for transfer.exchange_layer (None: point-to-point)
+        self.stream = stream  # the background thread's CUDA stream (None: a new one)
         # everything already queued on the caller's stream (earlier writes of expert
         # weights among it) comes before this change reads a weight on another stream
         self._start_event = None
@@ -165,7 +168,7 @@ class PlacementChange:
         try:
             if self.cuda:
                 torch.cuda.set_device(self.device)
-                ctx = torch.cuda.stream(torch.cuda.Stream(self.device))
+                ctx = torch.cuda.stream(self.stream or torch.cuda.Stream(self.device))
             else:
                 ctx = contextlib.nullcontext()
             with ctx:

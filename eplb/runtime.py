@@ -164,7 +164,14 @@ class EplbRuntime:
         self.recorder.window_load(self.group, decay=self.config.load_decay)
         # collective (IPC: every rank maps its peers' expert tensors once)
         self.transport = make_transport(self.config.transport if self.world_size > 1 else "nccl",
-                                        self.expert_weights, self._transfer_group)
+                                        self.expert_weights, self._transfer_group,
+                                        timeout=self.config.transfer_timeout)
+        # the rebalance thread's side stream, made here: the first stream a process makes
+        # sets up torch's stream pool, which would otherwise hold the GIL inside the step
+        # that starts the first rebalance
+        self._side_stream = None
+        if self.device.type == "cuda" and self.config.async_rebalance:
+            self._side_stream = torch.cuda.Stream(self.device)
         self._planner: PlannerProcess | None = None  # rank 0, asynchronous mode
         if self.rank == 0 and self.config.async_rebalance:
             self._planner = self._start_planner_process() if self.config.planner_process else None
@@ -421,7 +428,9 @@ class EplbRuntime:
             transfer_group=self._transfer_group, control_group=self._control_group,
             plan_group=self._plan_group,
             verify=self.config.verify_transfers, timeout=self.config.transfer_timeout,
-            device=self.device, transport=self.transport)
+            device=self.device, transport=self.transport,
+            # not beside a stale thread's stream work, which may wait on a hung transfer
+            stream=None if self._stale else self._side_stream)
         self._change, self._change_info = change, dict(info, trigger=trigger)
         if asynchronous:
             change.start()

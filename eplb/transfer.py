@@ -87,6 +87,7 @@ class LayerTransferPlan:
     stage_expert: np.ndarray  # [K] expert held by each staging row, K <= S
     stage_src_slot: np.ndarray  # [K] local slot copied into the row, -1 for received rows
     stage_src_rank: np.ndarray  # [K] rank the row is received from, -1 for staged rows
+    stage_src_peer_slot: np.ndarray  # [K] the sender's local slot the row is read from, -1 for staged rows
     send_expert: np.ndarray  # [T] expert of each send, sorted by (expert, peer)
     send_peer: np.ndarray  # [T] receiving rank
     send_slot: np.ndarray  # [T] local slot the send reads (an old holder of the expert)
@@ -237,6 +238,14 @@ def _rank_plan(old, new, S: int, num_ranks: int, rank: int,
     row_of = {e: k for k, e in enumerate(stage_expert)}
     stage_src_slot = [first_slot[e] for e in staged_local] + [-1] * len(received)
     stage_src_rank = [-1] * len(staged_local) + [recv_from[e] for e in received.tolist()]
+    # the sender reads its first old slot holding the expert (as `send_slot` above, on its side)
+    peer_first: dict[int, dict[int, int]] = {}
+    for q in set(recv_from.values()):
+        peer_first[q] = {}
+        for s, e in enumerate(old[q * S:(q + 1) * S].tolist()):
+            peer_first[q].setdefault(e, s)
+    stage_src_peer_slot = [-1] * len(staged_local) + [peer_first[recv_from[e]][e]
+                                                      for e in received.tolist()]
 
     write_dst = np.flatnonzero(changed)  # [W]
     write_src, write_from_stage, write_local = [], [], []
@@ -254,7 +263,7 @@ def _rank_plan(old, new, S: int, num_ranks: int, rank: int,
         rank=rank, num_ranks=num_ranks, slots_per_rank=S,
         unchanged=np.flatnonzero(~changed),
         stage_expert=i64(stage_expert), stage_src_slot=i64(stage_src_slot),
-        stage_src_rank=i64(stage_src_rank),
+        stage_src_rank=i64(stage_src_rank), stage_src_peer_slot=i64(stage_src_peer_slot),
         send_expert=i64(send_expert), send_peer=i64(send_peer), send_slot=send_slot,
         write_dst=write_dst.astype(np.int64), write_src=i64(write_src),
         write_from_stage=np.asarray(write_from_stage, dtype=bool).reshape(-1),
@@ -621,13 +630,18 @@ class IpcTransport:
     needs straight from the peer's old slots into its staging rows (`copy_` over NVLink,
     one copy per run of consecutive slots), with no NCCL kernels and no pack buffer.
 
-    Per layer, in `exchange`: each sender sends each of its receivers the slots to read
-    (one tiny NCCL message, stream-ordered after everything already queued on the sender's
-    current stream, e.g. the previous layer's writes), the receiver pulls and synchronizes
-    its current stream, so on return its reads are done. A rank must not overwrite slots a
-    peer reads before that peer's `exchange` returned: `settle` (used by
-    `execute_layer_transfer`) waits for a token from every puller; a caller with its own
-    barrier between exchange and write on all ranks may skip it.
+    Per layer, in `exchange`: the receiver knows from its plan which slot of which peer
+    holds each expert (`stage_src_peer_slot`), so no NCCL message is needed. It waits
+    for a token from every peer it pulls from (gloo, on the transport's own CPU group),
+    which that peer sends once everything already queued on its current stream (e.g. an
+    earlier write of those slots) has completed; then it pulls and synchronizes its
+    current stream, so on return its reads are done. No NCCL kernel is launched, so an
+    exchange in a background thread never interleaves with the model's NCCL collectives
+    (with the tiny NCCL slot messages this transport used before, an asynchronous
+    rebalance over IPC could hang beside the model's all-to-all on 2 x H200).
+    A rank must not overwrite slots a peer reads before that peer's `exchange` returned:
+    `settle` (used by `execute_layer_transfer`) waits for a token from every puller; a
+    caller with its own barrier between exchange and write on all ranks may skip it.
 
     Construction is collective over `group` (every rank, same layers); it raises on every
     rank when IPC cannot work (ranks on different hosts, a peer GPU not visible, non-CUDA
@@ -637,7 +651,8 @@ class IpcTransport:
 
     name = "ipc"
 
-    def __init__(self, expert_weights: Sequence[Sequence[torch.Tensor]], group=None) -> None:
+    def __init__(self, expert_weights: Sequence[Sequence[torch.Tensor]], group=None,
+                 timeout: float | None = None) -> None:
         import socket
 
         import torch.distributed as dist
@@ -693,6 +708,11 @@ class IpcTransport:
             raise RuntimeError("CUDA IPC transport unavailable: " + "; ".join(dict.fromkeys(bad)))
         self._layer_of = {_weights_key(ws): l for l, ws in enumerate(layers)}
         self.last_messages = 0
+        from eplb.control import new_group_like
+
+        # the "slots settled" tokens: CPU messages, so a background exchange launches no
+        # NCCL kernel (`timeout`: how long a token may take before the exchange fails)
+        self._cpu_group = new_group_like(group, "gloo", timeout)
 
     @staticmethod
     def _open(handle, device_index: int) -> torch.Tensor:
@@ -714,7 +734,8 @@ class IpcTransport:
         calls `close()`, then a barrier, then the weights may be freed (follow with
         `torch.cuda.ipc_collect()`); a producer that frees or exits while a peer still maps
         its memory keeps it in torch's IPC limbo, and freeing that at interpreter exit can
-        abort the process ("driver shutting down")."""
+        abort the process ("driver shutting down"). Not collective; the transport's CPU
+        group goes with the process group (or `torch.distributed.destroy_process_group`)."""
         self._peers.clear()
         self._streams.clear()
         self._layer_of = {}
@@ -737,20 +758,16 @@ class IpcTransport:
         self.last_messages = len(sends) + len(blocks)
         if not sends and not blocks:
             return 0
-        ops, slot_bufs = [], []
-        for q, slots in sends:  # the slots each receiver reads, after this stream's earlier work
-            t = torch.as_tensor(slots, dtype=torch.int64).to(self.device)  # [n]
-            ops.append(dist.P2POp(dist.isend, t, _global_rank(group, q), group))
-            slot_bufs.append(t)
-        for q, _row0, n in blocks:
-            t = torch.empty(n, dtype=torch.int64, device=self.device)  # [n]
-            ops.append(dist.P2POp(dist.irecv, t, _global_rank(group, q), group))
-            slot_bufs.append(t)
-        for work in dist.batch_isend_irecv(ops):
+        if sends:  # the slots my receivers read hold what was queued before: tell them
+            torch.cuda.current_stream(self.device).synchronize()
+        cpu = self._cpu_group
+        works = [dist.isend(torch.ones(1), _global_rank(cpu, q), group=cpu) for q, _s in sends]
+        works += [dist.irecv(torch.empty(1), _global_rank(cpu, q), group=cpu) for q, _r, _n in blocks]
+        for work in works:
             work.wait()
         received = 0
-        for (q, row0, n), t in zip(blocks, slot_bufs[len(sends):]):
-            slots = t.cpu().numpy()  # [n] host wait on the current stream only
+        for q, row0, n in blocks:
+            slots = plan.stage_src_peer_slot[row0:row0 + n]  # [n] the peer's local slots
             peer = self._peers[q][layer]
             with torch.cuda.stream(self._streams[q]):  # copies run on the peer GPU's side stream
                 for s0, r0, m in _runs(slots, np.arange(row0, row0 + n)):
@@ -782,7 +799,7 @@ TRANSPORTS = ("nccl", "ipc", "auto")
 
 
 def make_transport(kind: str = "auto", expert_weights: Sequence[Sequence[torch.Tensor]] | None = None,
-                   group=None, *, chunk_bytes: int | None = None):
+                   group=None, *, chunk_bytes: int | None = None, timeout: float | None = None):
     """A transport for `exchange_layer(..., transport=...)`.
 
     `kind`: "nccl" (point-to-point over the group's backend: NCCL on GPUs, gloo on CPU,
@@ -790,6 +807,8 @@ def make_transport(kind: str = "auto", expert_weights: Sequence[Sequence[torch.T
     "auto" (IPC when every rank is on one host with CUDA weights and an NCCL group and
     `AUTO_PREFERS_IPC`, else "nccl"). "ipc" and "auto" are collective over `group`
     (call on every rank, once, with every layer's weights: the weights are registered).
+    `timeout`: seconds the IPC transport's CPU tokens may wait for a peer (None: the default
+    of torch.distributed).
     """
     if kind not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {kind!r}")
@@ -810,13 +829,13 @@ def make_transport(kind: str = "auto", expert_weights: Sequence[Sequence[torch.T
         if not all(votes):
             return p2p
         try:
-            return IpcTransport(expert_weights, group)
+            return IpcTransport(expert_weights, group, timeout)
         except RuntimeError as e:  # raised on every rank alike
             import logging
 
             logging.getLogger("eplb.transfer").info("auto transport: NCCL (%s)", e)
             return p2p
-    return IpcTransport(expert_weights, group)
+    return IpcTransport(expert_weights, group, timeout)
 
 
 def _resolve(transport):

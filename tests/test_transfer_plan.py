@@ -224,3 +224,23 @@ def test_bad_inputs():
         plan_layer_transfer(np.arange(4), np.arange(4), 2, 2)
     with pytest.raises(ValueError, match="num_nodes"):
         plan_layer_transfer(np.arange(4), np.arange(4), 2, 0, num_nodes=3)
+
+
+def test_receivers_know_the_slot_their_sender_reads():
+    """`stage_src_peer_slot` (what the IPC transport pulls from, with no message): for
+    every received row it is the very slot the sender's plan sends that expert from."""
+    rng = np.random.default_rng(7)
+    for M, N, P in ((2, 6, 8), (4, 10, 16), (4, 16, 16)):
+        old = Placement.initial(1, N, P, M).physical_to_logical[0]
+        for _ in range(20):
+            new = np.concatenate([rng.permutation(N), rng.integers(0, N, P - N)])
+            plans = plan_layer_transfers(old, new, M)
+            for r, plan in enumerate(plans):
+                local = plan.stage_src_rank < 0
+                assert (plan.stage_src_peer_slot[local] == -1).all()
+                for k in plan.recv_rows.tolist():
+                    q, e = int(plan.stage_src_rank[k]), int(plan.stage_expert[k])
+                    sender = plans[q]
+                    hit = np.flatnonzero((sender.send_expert == e) & (sender.send_peer == r))
+                    assert hit.size == 1
+                    assert sender.send_slot[hit[0]] == plan.stage_src_peer_slot[k]
