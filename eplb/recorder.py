@@ -79,6 +79,18 @@ class LoadRecorder:
         # per-GPU sums are integers below 2**53, exact in float64
         return both[:, :N], both[:, N:].to(torch.int64)
 
+    def warm_up(self, group: dist.ProcessGroup | None = None, decay: float = 1.0) -> None:
+        """Run `window_load`'s kernels once and record nothing (collective like it). On a
+        GPU each kernel's first launch loads its module, which should not happen inside the
+        step that starts the first rebalance; with no step recorded yet the per-GPU part
+        would launch nothing, so it is run over one (all-zero) ring entry."""
+        saved = self.gpu_steps
+        self.gpu_steps = max(1, saved)
+        try:
+            self.window_load(group, decay)
+        finally:
+            self.gpu_steps = saved
+
     def on_placement_change(self) -> None:
         """Per-GPU counts from before a rebalance describe the old placement: drop them."""
         self.gpu_steps = 0

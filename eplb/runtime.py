@@ -161,7 +161,7 @@ class EplbRuntime:
             self._transfer_group = self._new_transfer_group()
         # the first window sum launches its kernels for the first time (on a GPU, lazy
         # module loading): do it now rather than inside the step that starts a rebalance
-        self.recorder.window_load(self.group, decay=self.config.load_decay)
+        self.recorder.warm_up(self.group, decay=self.config.load_decay)
         # collective (IPC: every rank maps its peers' expert tensors once)
         self.transport = make_transport(self.config.transport if self.world_size > 1 else "nccl",
                                         self.expert_weights, self._transfer_group,

@@ -101,6 +101,21 @@ def test_window_load_before_the_window_fills():
     assert torch.equal(gpu, gpu_of(loads[0]) + gpu_of(loads[1]))
 
 
+def test_warm_up_records_nothing():
+    """warm_up() runs window_load's kernels (the per-GPU part too) and changes no state."""
+    rec = LoadRecorder(L, N, M, S, window_size=4, device=CPU)
+    for decay in (1.0, 0.5):
+        rec.warm_up(decay=decay)
+        assert (rec.steps_recorded, rec.gpu_steps) == (0, 0)
+        logical, gpu = rec.window_load(decay=decay)
+        assert int(logical.sum()) == 0 and int(gpu.sum()) == 0
+    x = step_load(0)
+    rec.record(x.clone(), P2L)
+    rec.warm_up()
+    assert (rec.steps_recorded, rec.gpu_steps) == (1, 1)
+    assert torch.equal(rec.window_load()[1], gpu_of(x))
+
+
 def test_per_gpu_window_only_covers_steps_since_placement_change():
     W = 8
     rec = LoadRecorder(L, N, M, S, window_size=W, device=CPU)
