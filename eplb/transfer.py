@@ -217,9 +217,7 @@ def _rank_plan(old, new, S: int, num_ranks: int, rank: int,
     # sends: everything assigned to this rank, read from its first old slot holding the expert
     mine = a_send == rank  # [T]
     send_expert, send_peer = a_expert[mine], a_recv[mine]  # [T'], [T'] already (expert, peer) sorted
-    first_slot = {}
-    for s, e in enumerate(old_l.tolist()):
-        first_slot.setdefault(e, s)
+    first_slot = first_slot_of_expert(old_l)
     send_slot = np.array([first_slot[e] for e in send_expert.tolist()], dtype=np.int64)  # [T']
 
     # sources for each expert needed in a changed slot
@@ -239,11 +237,7 @@ def _rank_plan(old, new, S: int, num_ranks: int, rank: int,
     stage_src_slot = [first_slot[e] for e in staged_local] + [-1] * len(received)
     stage_src_rank = [-1] * len(staged_local) + [recv_from[e] for e in received.tolist()]
     # the sender reads its first old slot holding the expert (as `send_slot` above, on its side)
-    peer_first: dict[int, dict[int, int]] = {}
-    for q in set(recv_from.values()):
-        peer_first[q] = {}
-        for s, e in enumerate(old[q * S:(q + 1) * S].tolist()):
-            peer_first[q].setdefault(e, s)
+    peer_first = {q: first_slot_of_expert(old[q * S:(q + 1) * S]) for q in set(recv_from.values())}
     stage_src_peer_slot = [-1] * len(staged_local) + [peer_first[recv_from[e]][e]
                                                       for e in received.tolist()]
 
