@@ -31,6 +31,10 @@ import sys
 import threading
 from typing import Any, BinaryIO
 
+import numpy as np
+
+from eplb.policy import DEFAULT_MOVE_TOLERANCE
+
 log = logging.getLogger("eplb.planner_process")
 
 _HEADER = struct.Struct("<Q")
@@ -88,7 +92,6 @@ class PlannerProcess:
         self._proc = subprocess.Popen([sys.executable, "-c", _CHILD],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       env=env, close_fds=True)
-        self._policies = None
 
     @property
     def alive(self) -> bool:
@@ -124,17 +127,13 @@ class PlannerProcess:
         return policy in self.policies()
 
     def plan(self, load, num_gpus: int, num_slots: int, num_nodes: int = 1, num_groups: int = 1,
-             policy: str = "default", previous=None, *, move_tolerance: float | None = None,
-             weighted: bool = False):
+             policy: str = "default", previous=None, *,
+             move_tolerance: float = DEFAULT_MOVE_TOLERANCE, weighted: bool = False):
         """`eplb.planning.plan(...)`, computed in the child; returns a Placement."""
-        import numpy as np
-
-        request = dict(load=np.asarray(load), num_gpus=num_gpus, num_slots=num_slots,
-                       num_nodes=num_nodes, num_groups=num_groups, policy=policy,
-                       previous=previous, weighted=weighted)
-        if move_tolerance is not None:
-            request["move_tolerance"] = move_tolerance
-        return self._call(request)
+        return self._call(dict(load=np.asarray(load), num_gpus=num_gpus, num_slots=num_slots,
+                               num_nodes=num_nodes, num_groups=num_groups, policy=policy,
+                               previous=previous, move_tolerance=move_tolerance,
+                               weighted=weighted))
 
     def _kill(self) -> None:
         proc, self._proc = self._proc, None
