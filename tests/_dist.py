@@ -67,3 +67,12 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> None:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+
+
+def assert_same_on_every_rank(tensor: torch.Tensor, group=None) -> None:
+    """Every rank of `group` (default: the world) holds a tensor equal to `tensor`
+    (collective: all_gather)."""
+    mine = tensor.clone()
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    assert all(torch.equal(g, mine) for g in gathered)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import BACKEND, device_for, run_distributed
+from _dist import BACKEND, assert_same_on_every_rank, device_for, run_distributed
 from eplb.config import EplbConfig
 from eplb.runtime import EplbRuntime
 from test_runtime import _args, _skewed_bias, check_committed
@@ -53,10 +53,7 @@ def _serving_body(rank, world, transport="nccl"):
     assert switched_mid_flight > 0, "no layer switched while the rebalance was in flight"
     assert sum(e.slots_changed for e in events) > 0
     assert [w.data_ptr() for ws in runtime.expert_weights for w in ws] == ptrs
-    p2l = runtime.physical_to_logical.clone()
-    gathered = [torch.empty_like(p2l) for _ in range(world)]
-    dist.all_gather(gathered, p2l)
-    assert all(torch.equal(g, p2l) for g in gathered)
+    assert_same_on_every_rank(runtime.physical_to_logical)
 
 
 @pytest.mark.parametrize("world", [2, 4])

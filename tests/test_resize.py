@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import device_for, run_distributed
+from _dist import assert_same_on_every_rank, device_for, run_distributed
 from eplb.config import EplbConfig
 from eplb.placement import Placement
 from eplb.planning import plan
@@ -289,10 +289,7 @@ def _round_trip_body(rank, world):
     _check_slots(args, rt, device)
     _check_outputs(args, model, reference, rank, device, steps=range(20, 27), runtime=rt)
     _check_slots(args, rt, device)
-    p2l = rt.physical_to_logical.clone()
-    gathered = [torch.empty_like(p2l) for _ in range(world)]
-    dist.all_gather(gathered, p2l)
-    assert all(torch.equal(g, p2l) for g in gathered)
+    assert_same_on_every_rank(rt.physical_to_logical)
 
 
 def test_shrink_4_to_2_and_grow_back():

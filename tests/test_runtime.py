@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import device_for, run_distributed
+from _dist import assert_same_on_every_rank, device_for, run_distributed
 from eplb.config import EplbConfig
 from eplb.placement import Placement
 from eplb.runtime import EplbRuntime
@@ -104,10 +104,7 @@ def _rebalance_body(rank, world, redundant, groups):
     for i, layer in enumerate(model.moe_layers):
         assert layer.logical_to_physical_map.data_ptr() == runtime.logical_to_physical_map[i].data_ptr()
     # every rank committed the same placement
-    p2l = runtime.physical_to_logical.clone()
-    gathered = [torch.empty_like(p2l) for _ in range(world)]
-    dist.all_gather(gathered, p2l)
-    assert all(torch.equal(g, p2l) for g in gathered)
+    assert_same_on_every_rank(runtime.physical_to_logical)
 
 
 @pytest.mark.parametrize("world,redundant,groups", [(2, 2, 1), (4, 4, 1), (4, 4, 4)])

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import device_for, run_distributed
+from _dist import assert_same_on_every_rank, device_for, run_distributed
 from eplb.config import EplbConfig
 from eplb.placement import Placement
 from eplb.protocol import (MixtureOfExperts, SupportsReplicaWeights, replica_cdf,
@@ -332,10 +332,7 @@ def _distributed_body(rank, world):
     dist.all_reduce(ref_load)
     assert torch.equal(logical, ref_load)
     assert _map_ptrs(runtime) == ptrs
-    cdf = runtime.logical_replica_cdf.clone()
-    gathered = [torch.empty_like(cdf) for _ in range(world)]
-    dist.all_gather(gathered, cdf)
-    assert all(torch.equal(g, cdf) for g in gathered)
+    assert_same_on_every_rank(runtime.logical_replica_cdf)
 
 
 @pytest.mark.parametrize("world", [2, 4])
