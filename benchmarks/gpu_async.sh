@@ -21,7 +21,7 @@ if [[ " $PARTS " == *" e2e "* ]]; then
 fi
 if [[ " $PARTS " == *" tests "* ]]; then
   echo "== 2. NCCL tests: async runtime (NCCL and CUDA IPC), runtime, transports, CUDA graphs, planner process"
-  EPLB_TEST_BACKEND=nccl timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_async.py \
+  EPLB_TEST_BACKEND=nccl timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/test_async.py \
     tests/test_runtime.py tests/test_transfer_gpu.py tests/test_cuda_graph.py tests/test_planner_process.py \
     2>&1 | tee "$O/pytest_nccl.log"
 fi

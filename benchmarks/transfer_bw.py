@@ -15,7 +15,9 @@ It measures, in the same run:
     trade experts with the other rank);
     with the executor before this change (`legacy`: one message per tensor per expert,
     all in one `batch_isend_irecv`) and the new transports (`nccl` coalesced and chunked,
-    at several chunk sizes; `ipc` pulls through CUDA IPC).
+    at several chunk sizes; `ipc` pulls through CUDA IPC into staging, then the write;
+    `ipc-move`: `IpcTransport.move`, the synchronous in-place pass with a hold buffer,
+    timed as a whole: what `execute_layer_transfer` and a synchronous rebalance do).
 
 Per method and case it prints the median time of `exchange_layer` (the network phase,
 what an asynchronous rebalance overlaps with serving) and of the whole layer (exchange +
@@ -44,9 +46,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eplb.transfer import (  # noqa: E402
     DEFAULT_CHUNK_BYTES,
+    IpcTransport,
     P2PTransport,
     allocate_staging,
     exchange_layer,
+    execute_layer_transfer,
     make_transport,
     plan_layer_transfer,
     write_layer,
@@ -203,6 +207,8 @@ def _layers(rank: int, device, group, cfg: dict, out: dict) -> None:
                         for c in cfg["chunks"]]
         elif m in ("ipc", "auto"):  # set up when its turn comes (collective)
             methods.append((m, lambda m=m: make_transport(m, [weights], group)))
+        elif m == "ipc-move":
+            methods.append((m, lambda: IpcTransport([weights], group)))
     side = torch.cuda.Stream(device) if cuda else None
 
     if rank == 0:
@@ -229,7 +235,9 @@ def _layers(rank: int, device, group, cfg: dict, out: dict) -> None:
                 torch.cuda.empty_cache()
                 base_mem = torch.cuda.memory_allocated(device)
                 torch.cuda.reset_peak_memory_stats(device)
-            staging = allocate_staging(weights)  # S rows, as the executors keep it
+            in_place = name == "ipc-move"  # one in-place pass: no exchange/write split
+            # S rows, as the executors keep it (the in-place move has its hold buffer)
+            staging = None if in_place else allocate_staging(weights)
             t_ex, t_all, received = [], [], 0
             n_iter = cfg["warmup"] + cfg["iters"]
             n_iter += n_iter % 2  # even: the weights end on the old placement
@@ -238,27 +246,34 @@ def _layers(rank: int, device, group, cfg: dict, out: dict) -> None:
                 dist.barrier()
                 sync(cuda)
                 t0 = time.perf_counter()
-                if cuda:
+                if in_place:
+                    received = execute_layer_transfer(plan, weights, group, transport=transport)
+                    sync(cuda)
+                    t1 = t2 = time.perf_counter()
+                elif cuda:
                     side.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(side):  # as the asynchronous runtime calls it
                         received = _exchange(name, transport, plan, weights, group, staging)
                     side.synchronize()
                 else:
                     received = _exchange(name, transport, plan, weights, group, staging)
-                t1 = time.perf_counter()
-                if transport is not None:
-                    transport.settle(plan, group)
-                    write_layer(plan, weights, staging)
-                else:
-                    legacy_write(plan, weights, staging)
-                sync(cuda)
-                t2 = time.perf_counter()
+                if not in_place:
+                    t1 = time.perf_counter()
+                    if transport is not None:
+                        transport.settle(plan, group)
+                        write_layer(plan, weights, staging)
+                    else:
+                        legacy_write(plan, weights, staging)
+                    sync(cuda)
+                    t2 = time.perf_counter()
                 both = torch.tensor([t1 - t0, t2 - t0], dtype=torch.float64, device=device)
                 dist.all_reduce(both, op=dist.ReduceOp.MAX)
                 if it >= cfg["warmup"]:
                     t_ex.append(float(both[0]))
                     t_all.append(float(both[1]))
             peak = (torch.cuda.max_memory_allocated(device) - base_mem) if cuda else None
+            if peak is not None:  # the IPC transport's hold buffer, allocated with it
+                peak += getattr(transport, "hold_bytes", 0)
             del staging
             bad = sum(count_bad(w, old[local], base) for w, base in zip(weights, bases))
             bad_all = torch.tensor([bad, received], dtype=torch.int64, device=device)
@@ -267,8 +282,10 @@ def _layers(rank: int, device, group, cfg: dict, out: dict) -> None:
             raw = out["raw_peer_copy_GBps"]
             res = {
                 "method": name, "case": case, "experts_received": plans[0].num_received,
-                "bytes_received": received, "exchange_ms": ex * 1e3, "full_ms": full * 1e3,
-                "exchange_GBps": received / ex / 1e9, "full_GBps": received / full / 1e9,
+                "bytes_received": received, "exchange_ms": None if in_place else ex * 1e3,
+                "full_ms": full * 1e3,
+                "exchange_GBps": None if in_place else received / ex / 1e9,
+                "full_GBps": received / full / 1e9,
                 "messages": getattr(transport, "last_messages", None) if transport is not None
                 else 2 * len(plans[0].p2p_ops()),
                 "pack_bytes": getattr(transport, "last_pack_bytes", None),
@@ -276,7 +293,7 @@ def _layers(rank: int, device, group, cfg: dict, out: dict) -> None:
                 "bad_slots_all_ranks": int(bad_all[0]), "iters": len(t_ex),
             }
             if raw:
-                res["exchange_ratio"] = res["exchange_GBps"] / raw
+                res["exchange_ratio"] = None if in_place else res["exchange_GBps"] / raw
                 res["full_ratio"] = res["full_GBps"] / raw
             out["results"].append(res)
             if rank == 0:
@@ -313,7 +330,7 @@ def _row(r: dict) -> None:
 
     peak = None if r["peak_extra_bytes"] is None else r["peak_extra_bytes"] / 1e9
     print(f"| {r['method']} | {r['case']} | {r['experts_received']} | "
-          f"{r['bytes_received'] / 1e9:.3f} | {r['exchange_ms']:.2f} | {r['exchange_GBps']:.1f} | "
+          f"{r['bytes_received'] / 1e9:.3f} | {f(r['exchange_ms'], '.2f')} | {f(r['exchange_GBps'], '.1f')} | "
           f"{f(r.get('exchange_ratio'), '.3f')} | {r['full_ms']:.2f} | {r['full_GBps']:.1f} | "
           f"{f(r.get('full_ratio'), '.3f')} | {f(r['messages'], 'd')} | {f(peak, '.3f')} | "
           f"{r['layer_bytes'] / 1e9:.3f} | {r['bad_slots_all_ranks']} |", flush=True)
@@ -339,7 +356,7 @@ def main(argv=None) -> int:
     ap.add_argument("--partial", type=float, default=0.25, help="fraction of slots in 'partial'")
     ap.add_argument("--chunks", default=None,
                     help="chunk sizes of the nccl transport, e.g. 64M,256M,1G")
-    ap.add_argument("--methods", default=None, help="legacy,nccl,ipc,auto")
+    ap.add_argument("--methods", default=None, help="legacy,nccl,ipc,ipc-move,auto")
     ap.add_argument("--raw-gib", type=float, default=2.0, help="size of the raw peer copy")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
@@ -348,7 +365,7 @@ def main(argv=None) -> int:
                  chunks="4K,32K,1M", methods="legacy,nccl,auto")
     else:
         d = dict(experts=256, hidden=7168, intermediate=2048, dtype="bfloat16", iters=8,
-                 chunks=f"64M,256M,{DEFAULT_CHUNK_BYTES >> 20}M,4G", methods="legacy,nccl,ipc,auto")
+                 chunks=f"64M,256M,{DEFAULT_CHUNK_BYTES >> 20}M,4G", methods="legacy,nccl,ipc,ipc-move,auto")
         if torch.cuda.device_count() < 2:
             print(f"needs 2 GPUs, {torch.cuda.device_count()} visible (use --cpu)", file=sys.stderr)
             return 2

@@ -14,7 +14,10 @@ Every changed layer goes through three stages:
    the caller's stream. Weights and maps of a layer therefore switch together, at the same
    step on every rank, and every forward sees each layer wholly old or wholly new.
 
-Synchronous use: `run()` drives the three stages to the end before returning.
+Synchronous use: `run()` drives the three stages to the end before returning. Over an
+IPC transport with a hold buffer (and without `verify`), stages 1 and 3 of a layer are one
+in-place pass at the switch (`IpcTransport.move`: nothing staged, each byte written once);
+a failure inside it leaves the layer partly written, so it is fatal like a failed write.
 Asynchronous use: `start()` runs planning and exchanges in a thread; the step loop calls
 `advance()` once per step (agree, then switch at most one layer).
 
@@ -41,7 +44,8 @@ from eplb import transfer as _transfer
 from eplb.control import PendingMin, agree_min
 from eplb.placement import Placement
 from eplb.transfer import (LayerTransferPlan, TransferVerificationError, allocate_staging,
-                           first_slot_of_expert, plan_layer_transfer, slot_checksums)
+                           first_slot_of_expert, moves_in_place, plan_layer_transfer,
+                           slot_checksums)
 
 log = logging.getLogger("eplb.placement_change")
 
@@ -128,6 +132,7 @@ class PlacementChange:
         self._new_maps: list[torch.Tensor] = []
         self._ready_events: list = []
         self._write_events: list = []
+        self._in_place: list[bool] = []  # per changed layer: moved by the switch itself
 
     # ---- state -------------------------------------------------------------------
     @property
@@ -289,6 +294,7 @@ class PlacementChange:
             self.new, self.layers, self._new_maps = new, layers, new_maps
             n = len(layers)
             self._plans, self._ready_events, self._write_events = [None] * n, [None] * n, [None] * n
+            self._in_place = [False] * n
             self.ready = 0
         yield
         for i, layer in enumerate(layers):
@@ -302,8 +308,16 @@ class PlacementChange:
             weights = self.weights[layer]
             plan = plan_layer_transfer(old_p2l[layer], new_p2l[layer], self.num_ranks, self.rank,
                                        self.num_nodes)
+            if not self.pipelined and not self.verify and moves_in_place(self.transport, weights):
+                # synchronous, over IPC: the switch moves the layer in place in one pass
+                # (`IpcTransport.move`), nothing is staged ahead
+                with self._cv:
+                    self._plans[i], self._in_place[i] = plan, True
+                    self.ready = i + 1
+                yield
+                continue
             if self._staging is None:
-                self._staging = allocate_staging(weights)
+                self._staging = _staging_buffer(self.transport, weights)
             old_sums = self._gather_checksums(weights) if self.verify else None  # [P]
             _transfer.exchange_layer(plan, weights, self.transfer_group, self._staging,
                                      transport=self.transport)
@@ -326,14 +340,18 @@ class PlacementChange:
         i = self.committed
         layer = self.layers[i]
         try:
-            if self.cuda:
-                stream = torch.cuda.current_stream(self.device)
-                stream.wait_event(self._ready_events[i])
-                # staging and the new maps come from the thread's stream: keep their memory
-                # from being reused before this stream has read them
-                for t in (*self._staging, *self._new_maps):
-                    t.record_stream(stream)
-            _transfer.write_layer(self._plans[i], self.weights[layer], self._staging)
+            if self._in_place[i]:  # synchronous IPC: exchange and write in one pass
+                _transfer.execute_layer_transfer(self._plans[i], self.weights[layer],
+                                                 self.transfer_group, transport=self.transport)
+            else:
+                if self.cuda:
+                    stream = torch.cuda.current_stream(self.device)
+                    stream.wait_event(self._ready_events[i])
+                    # staging and the new maps come from the thread's stream: keep their
+                    # memory from being reused before this stream has read them
+                    for t in (*self._staging, *self._new_maps):
+                        t.record_stream(stream)
+                _transfer.write_layer(self._plans[i], self.weights[layer], self._staging)
             for dst, src in zip(self.maps, self._new_maps):
                 dst[layer].copy_(src[layer])
             if self.cuda:
@@ -381,3 +399,14 @@ class PlacementChange:
                 f"transfer verification failed on layer {layer}, rank {self.rank}: experts "
                 f"{plan.stage_expert[bad_rows].tolist()} arrived with the wrong checksum "
                 f"(nothing of the layer was written)")
+
+
+def _staging_buffer(transport, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The staging buffer of a change: the IPC transport's hold buffer when it fits these
+    weights (allocated once and kept, so a change adds no memory), else a new one."""
+    hold = getattr(transport, "hold", None)
+    if hold is not None and len(hold) == len(weights) and all(
+            b.shape == w.shape and b.dtype == w.dtype and b.device == w.device
+            for b, w in zip(hold, weights)):
+        return list(hold)
+    return allocate_staging(weights)

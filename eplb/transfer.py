@@ -28,8 +28,15 @@ stream, `write_layer` at a step boundary):
    local slot that holds the same expert (unchanged slots are never written, so they are
    safe sources).
 
+A synchronous move over CUDA IPC skips the staging of received experts
+(`IpcTransport.move`, used by `execute_layer_transfer`): every rank first copies the old
+experts of its changed slots that someone still reads into a *hold buffer* shared with its
+peers, and then every received expert is pulled straight into its slot, from the sender's
+hold buffer or unchanged slot, while later hold chunks are still being copied. Each byte
+crosses NVLink once and is written once (`in_place_ops`, pure, says which copies).
+
 Extra memory: the staging buffer (`staging_rows(plan)` <= S rows, one layer of local
-experts) plus, for the point-to-point transport only, pack buffers of at most
+experts; for the IPC transport its hold buffer, allocated once, serves as both) plus, for the point-to-point transport only, pack buffers of at most
 2 x `chunk_bytes` per receiving peer when sends need packing, taken from the staging rows
 a layer leaves unused when they have room.
 
@@ -49,6 +56,8 @@ from eplb.placement import Placement
 
 __all__ = [
     "LayerTransferPlan",
+    "InPlaceOps",
+    "in_place_ops",
     "TransferStats",
     "TransferResult",
     "TransferExecutor",
@@ -95,6 +104,13 @@ class LayerTransferPlan:
     write_src: np.ndarray  # [W] staging row if write_from_stage, else an unchanged local slot
     write_from_stage: np.ndarray  # [W] bool
     write_local: np.ndarray  # [W] bool: the data came from this rank's old slots (no network)
+    # the in-place move (`IpcTransport.move`): every rank copies the old experts of
+    # `hold_slots` into its hold buffer, then writes each send straight into the
+    # receiver's slot, once the receiver has held that slot's old expert
+    hold_slots: np.ndarray  # [H] ascending changed local slots whose old expert is read later
+    send_hold_row: np.ndarray  # [T] hold row each send reads, -1: send_slot is unchanged (read it)
+    send_dst_slot: np.ndarray  # [T] the receiver's slot each send is written to
+    send_dst_hold_row: np.ndarray  # [T] the receiver's hold row of that slot, -1: not held
 
     # ---- sizes and counts ----------------------------------------------------------
     @property
@@ -105,6 +121,11 @@ class LayerTransferPlan:
     @property
     def recv_rows(self) -> np.ndarray:  # [R]
         return np.flatnonzero(self.stage_src_rank >= 0)
+
+    @property
+    def num_held(self) -> int:
+        """Hold rows the in-place move needs (<= S)."""
+        return len(self.hold_slots)
 
     @property
     def num_received(self) -> int:
@@ -221,17 +242,14 @@ def _rank_plan(old, new, S: int, num_ranks: int, rank: int,
     send_slot = np.array([first_slot[e] for e in send_expert.tolist()], dtype=np.int64)  # [T']
 
     # sources for each expert needed in a changed slot
-    keep_slot = {}  # expert -> an unchanged slot holding it (safe to read at any time)
-    for s in np.flatnonzero(~changed).tolist():
-        keep_slot.setdefault(int(old_l[s]), s)
+    keep_slot = _keep_slots(old_l, changed)  # expert -> an unchanged slot holding it
     # received rows ordered by (sender, expert): all rows from one peer form one contiguous
     # block of staging, in the order that peer sends them (ascending expert)
     r_expert, r_from = a_expert[a_recv == rank], a_send[a_recv == rank]  # [R], [R]
     by_peer = np.lexsort((r_expert, r_from))  # [R]
     received = r_expert[by_peer]  # [R]
     recv_from = dict(zip(received.tolist(), r_from[by_peer].tolist()))
-    needed = np.unique(new_l[changed]).tolist()
-    staged_local = [e for e in needed if e not in keep_slot and e in first_slot]
+    staged_local = _staged_local(new_l, changed, keep_slot, first_slot)
     stage_expert = staged_local + received.tolist()  # [K]
     row_of = {e: k for k, e in enumerate(stage_expert)}
     stage_src_slot = [first_slot[e] for e in staged_local] + [-1] * len(received)
@@ -240,6 +258,22 @@ def _rank_plan(old, new, S: int, num_ranks: int, rank: int,
     peer_first = {q: first_slot_of_expert(old[q * S:(q + 1) * S]) for q in set(recv_from.values())}
     stage_src_peer_slot = [-1] * len(staged_local) + [peer_first[recv_from[e]][e]
                                                       for e in received.tolist()]
+    hold_slots = _hold_slots(old_l, new_l, send_slot, first_slot)
+    send_hold_row = _hold_rows(hold_slots, send_slot)
+    # where each send lands: the receiver's first changed slot wanting the expert (it copies
+    # the expert on into further such slots itself), and the receiver's hold row of it
+    send_dst_slot = np.zeros(len(send_expert), dtype=np.int64)  # [T']
+    send_dst_hold_row = np.zeros(len(send_expert), dtype=np.int64)  # [T']
+    for p in np.unique(send_peer).tolist():
+        o, n = old[p * S:(p + 1) * S], new[p * S:(p + 1) * S]  # [S], [S]
+        first_p = first_slot_of_expert(o)
+        dst_of: dict[int, int] = {}
+        for d in np.flatnonzero(o != n).tolist():
+            dst_of.setdefault(int(n[d]), d)
+        p_sends = [first_p[e] for e in a_expert[a_send == p].tolist()]
+        mine_p = np.flatnonzero(send_peer == p)
+        send_dst_slot[mine_p] = [dst_of[e] for e in send_expert[mine_p].tolist()]
+        send_dst_hold_row[mine_p] = _hold_rows(_hold_slots(o, n, p_sends, first_p), send_dst_slot[mine_p])
 
     write_dst = np.flatnonzero(changed)  # [W]
     write_src, write_from_stage, write_local = [], [], []
@@ -262,7 +296,92 @@ def _rank_plan(old, new, S: int, num_ranks: int, rank: int,
         write_dst=write_dst.astype(np.int64), write_src=i64(write_src),
         write_from_stage=np.asarray(write_from_stage, dtype=bool).reshape(-1),
         write_local=np.asarray(write_local, dtype=bool).reshape(-1),
+        hold_slots=hold_slots, send_hold_row=send_hold_row, send_dst_slot=send_dst_slot,
+        send_dst_hold_row=send_dst_hold_row,
     )
+
+
+def _keep_slots(old_l: np.ndarray, changed: np.ndarray) -> dict[int, int]:
+    """expert -> the first unchanged local slot holding it (never written: safe to read)."""
+    keep: dict[int, int] = {}
+    for s in np.flatnonzero(~changed).tolist():
+        keep.setdefault(int(old_l[s]), s)
+    return keep
+
+
+def _staged_local(new_l, changed, keep_slot, first_slot) -> list[int]:
+    """Experts a changed slot needs that the rank holds only in changed slots (ascending):
+    their first old slot must be copied aside before it is overwritten."""
+    return [e for e in np.unique(new_l[changed]).tolist() if e not in keep_slot and e in first_slot]
+
+
+def _hold_slots(old_l, new_l, send_slots, first_slot: dict[int, int]) -> np.ndarray:
+    """`[H]` ascending local slots that change but whose old expert is read afterwards: the
+    source of a local copy into another changed slot, or of a send. What one rank holds
+    for the in-place move; receivers compute a sender's from the same layer rows."""
+    changed = old_l != new_l  # [S]
+    local = [first_slot[e] for e in _staged_local(new_l, changed, _keep_slots(old_l, changed), first_slot)]
+    sent = [int(s) for s in send_slots if changed[int(s)]]
+    return np.array(sorted(set(local) | set(sent)), dtype=np.int64)
+
+
+def _hold_rows(hold_slots: np.ndarray, slots) -> np.ndarray:
+    """`[n]` the hold row of each slot in `slots`, -1 where the slot is not held."""
+    slots = np.asarray(slots, dtype=np.int64).reshape(-1)  # [n]
+    pos = np.searchsorted(hold_slots, slots)  # [n]
+    pos_c = np.minimum(pos, max(len(hold_slots) - 1, 0))
+    hit = (pos < len(hold_slots)) & (hold_slots[pos_c] == slots) if len(hold_slots) else np.zeros(len(slots), bool)
+    return np.where(hit, pos, -1).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class InPlaceOps:
+    """The receiving side of `IpcTransport.move` for one plan, derived from it (pure).
+    Every rank first holds: `hold[i] = w[plan.hold_slots[i]]`. Then, in any order:
+
+    * sends (from the plan): `peer w[send_dst_slot] = hold[send_hold_row]`, or the
+      unchanged slot `w[send_slot]` when the row is -1, written by the sender;
+    * local writes: `w[local_dst] = hold[local_hold_row]`, or the unchanged slot
+      `w[local_src_slot]` when the row is -1;
+
+    and last, once every sender is done, `w[dup_dst] = w[dup_src]` for a received expert
+    wanted in more than one slot (`recv_dst` is where its sender writes it).
+
+    Every write goes to a changed slot whose old expert, if anyone still needs it, is held
+    already, and every read is of a hold row or an unchanged slot, so no write races a
+    read on any rank."""
+
+    recv_peer: np.ndarray  # [R] sending rank of each received expert
+    recv_dst: np.ndarray  # [R] the slot its sender writes (its first changed slot wanting it)
+    dup_dst: np.ndarray  # [D] further slots for a received expert
+    dup_src: np.ndarray  # [D] its recv_dst
+    local_dst: np.ndarray  # [W'] changed slots filled from this rank's own old experts
+    local_hold_row: np.ndarray  # [W'] hold row read, -1: read local_src_slot
+    local_src_slot: np.ndarray  # [W'] the unchanged slot read when local_hold_row is -1
+
+
+def in_place_ops(plan: LayerTransferPlan) -> InPlaceOps:
+    """The receiving side of the in-place move of `plan` (see `InPlaceOps`)."""
+    rows = plan.recv_rows  # [R] staging rows of received experts, by (peer, expert)
+    st, src, dst = plan.write_from_stage, plan.write_src, plan.write_dst  # [W] each
+    recv_dst, dup_dst, dup_src = [], [], []
+    for k in rows.tolist():
+        slots = dst[st & (src == k)]  # [>= 1] ascending slots wanting the expert of row k
+        recv_dst.append(int(slots[0]))
+        dup_dst += slots[1:].tolist()
+        dup_src += [int(slots[0])] * (len(slots) - 1)
+    local = ~(st & np.isin(src, rows))  # [W] not a received expert
+    l_dst, l_src, l_st = dst[local], src[local], st[local]
+    hold_row = np.full(len(l_dst), -1, dtype=np.int64)  # [W']
+    if l_st.any():  # a locally staged row's source slot (stage_src_slot) is held instead
+        hold_row[l_st] = _hold_rows(plan.hold_slots, plan.stage_src_slot[l_src[l_st]])
+    if (l_st & (hold_row < 0)).any():
+        raise RuntimeError("a locally copied expert's source slot is not held")
+    i64 = lambda x: np.asarray(x, dtype=np.int64).reshape(-1)  # noqa: E731
+    return InPlaceOps(
+        recv_peer=plan.stage_src_rank[rows], recv_dst=i64(recv_dst), dup_dst=i64(dup_dst),
+        dup_src=i64(dup_src), local_dst=i64(l_dst), local_hold_row=hold_row,
+        local_src_slot=i64(np.where(l_st, -1, l_src)))
 
 
 def plan_layer_transfer(old, new, num_ranks: int, rank: int, num_nodes: int = 1
@@ -334,6 +453,11 @@ DEFAULT_CHUNK_BYTES = 1 << 30
 Chosen by measurement on 2 x H200 (benchmarks/results/transfer-2026-11-30.md): one layer
 of DeepSeek-V3 experts swapped between 2 GPUs reached 0.44 / 0.64 / 0.75 / 0.90 of the raw
 peer copy with 16 MiB / 64 MiB / 256 MiB / 1 GiB messages."""
+
+DEFAULT_HOLD_CHUNK_BYTES = 512 << 20
+"""Granularity of `IpcTransport.move`'s pipeline: a sender tells its receivers that the
+next `DEFAULT_HOLD_CHUNK_BYTES` of its hold buffer are filled, and they pull those rows
+while it fills the following ones."""
 
 AUTO_PREFERS_IPC = True
 """`make_transport("auto")` picks the CUDA IPC pull when every rank is on one host with
@@ -637,16 +761,23 @@ class IpcTransport:
     `settle` (used by `execute_layer_transfer`) waits for a token from every puller; a
     caller with its own barrier between exchange and write on all ranks may skip it.
 
+    `move` does a whole synchronous layer transfer in place through a hold buffer that
+    every rank shares with its peers (`hold=True`, when all layers have the same tensor
+    shapes): one layer of local experts, allocated at construction and kept; `hold`
+    exposes it so a caller can use it as its staging buffer too (the runtime does).
+
     Construction is collective over `group` (every rank, same layers); it raises on every
     rank when IPC cannot work (ranks on different hosts, a peer GPU not visible, non-CUDA
     weights, shapes differing between ranks). Costs: a CUDA context on each peer GPU in
-    every process (a few hundred MiB there, not counted by `torch.cuda.memory_allocated`).
+    every process (a few hundred MiB there, not counted by `torch.cuda.memory_allocated`),
+    and the hold buffer.
     """
 
     name = "ipc"
 
     def __init__(self, expert_weights: Sequence[Sequence[torch.Tensor]], group=None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, *, hold: bool = True,
+                 hold_chunk_bytes: int = DEFAULT_HOLD_CHUNK_BYTES) -> None:
         import socket
 
         import torch.distributed as dist
@@ -662,6 +793,7 @@ class IpcTransport:
         elif dist.get_backend(group) != "nccl":
             problem = f"the group's backend is {dist.get_backend(group)}, not nccl"
         info = {"problem": problem, "host": socket.gethostname()}
+        self.hold: list[torch.Tensor] | None = None  # [S, ...] per tensor, for `move`
         if problem is None:
             self.device = layers[0][0].device
             info["uuid"] = _uuid(self.device)
@@ -670,6 +802,13 @@ class IpcTransport:
             # consumer gives back when it drops its mapping (torch's CUDA IPC ref counting)
             info["handles"] = {q: [[reduce_tensor(w.detach()) for w in ws] for ws in layers]
                                for q in range(self.num_ranks) if q != self.rank}
+            # the hold buffer of `move` (one layer of local experts), when every layer has
+            # the same tensor shapes (the layouts are equal on all ranks, checked below)
+            if hold and all(ws_l == info["layout"][0] for ws_l in info["layout"]):
+                try:
+                    self.hold = allocate_staging(layers[0])
+                except RuntimeError as e:  # e.g. out of memory: reported on every rank
+                    info["problem"] = f"hold buffer: {type(e).__name__}: {e}"
         infos: list = [None] * self.num_ranks
         dist.all_gather_object(infos, info, group=group)
         bad = [f"rank {q}: {x['problem']}" for q, x in enumerate(infos) if x["problem"]]
@@ -678,7 +817,7 @@ class IpcTransport:
         if not bad and any(x["layout"] != info["layout"] for x in infos):
             bad = ["expert tensor shapes or dtypes differ between ranks"]
         self._peers: dict[int, list[list[torch.Tensor]]] = {}
-        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._streams: dict[int, torch.cuda.Stream] = {}  # per peer, on this GPU
         if not bad:
             try:
                 local = {_uuid(torch.device("cuda", d)): d for d in range(torch.cuda.device_count())}
@@ -689,9 +828,9 @@ class IpcTransport:
                     if dev is None:
                         raise RuntimeError(f"rank {q}'s GPU {x['uuid']} is not visible in this "
                                            "process (CUDA_VISIBLE_DEVICES)")
-                    self._peers[q] = [[self._open(h, dev) for h in hs]
+                    self._peers[q] = [[self._open(h, self.device.index) for h in hs]
                                       for hs in x["handles"][self.rank]]
-                    self._streams[q] = torch.cuda.Stream(dev)
+                    self._streams[q] = torch.cuda.Stream(self.device)
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 bad = [f"rank {self.rank}: {type(e).__name__}: {e}"]
         verdicts: list = [None] * self.num_ranks
@@ -702,6 +841,11 @@ class IpcTransport:
             raise RuntimeError("CUDA IPC transport unavailable: " + "; ".join(dict.fromkeys(bad)))
         self._layer_of = {_weights_key(ws): l for l, ws in enumerate(layers)}
         self.last_messages = 0
+        if isinstance(hold_chunk_bytes, bool) or not isinstance(hold_chunk_bytes, int) or hold_chunk_bytes < 1:
+            raise ValueError(f"hold_chunk_bytes must be a positive integer, got {hold_chunk_bytes!r}")
+        self.hold_chunk_bytes = hold_chunk_bytes
+        self._can_move = self.hold is not None  # the same verdict on every rank
+        self.moves = 0  # layers moved in place so far (`move` calls with work)
         from eplb.control import new_group_like
 
         # the "slots settled" tokens: CPU messages, so a background exchange launches no
@@ -710,7 +854,14 @@ class IpcTransport:
 
     @staticmethod
     def _open(handle, device_index: int) -> torch.Tensor:
-        """Map a peer's tensor, on this process's index of the peer's GPU."""
+        """Map a peer's tensor into this GPU's context (`cudaIpcOpenMemHandle` with lazy
+        peer access, from `device_index`): the tensor lives in the peer's memory but torch
+        sees it on this GPU, so a `copy_` to or from it is a plain copy on this GPU's
+        current stream, reading or writing the peer's memory over NVLink. No work of this
+        process ever runs on the peer's GPU, where it would be time-sliced against the
+        peer process's own kernels and copies (a GPU runs one process's context at a
+        time): on 2 x H200 a move whose copies ran on the peer's GPU lost the overlap of
+        the two GPUs' copies."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
         fn, args = handle
@@ -724,8 +875,9 @@ class IpcTransport:
         return f"IpcTransport(rank={self.rank}, peers={sorted(self._peers)})"
 
     def close(self) -> None:
-        """Drop this process's mappings of the peers' tensors. Shutdown order: every rank
-        calls `close()`, then a barrier, then the weights may be freed (follow with
+        """Drop this process's mappings of the peers' tensors (this rank's hold buffer stays
+        until the transport is deleted). Shutdown order: every rank calls `close()`, then
+        a barrier, then the weights and the transport may be freed (follow with
         `torch.cuda.ipc_collect()`); a producer that frees or exits while a peer still maps
         its memory keeps it in torch's IPC limbo, and freeing that at interpreter exit can
         abort the process ("driver shutting down"). Not collective; the transport's CPU
@@ -733,6 +885,7 @@ class IpcTransport:
         self._peers.clear()
         self._streams.clear()
         self._layer_of = {}
+        self._can_move = False
 
     def _layer(self, weights: Sequence[torch.Tensor]) -> int:
         layer = self._layer_of.get(_weights_key(weights))
@@ -763,13 +916,134 @@ class IpcTransport:
         for q, row0, n in blocks:
             slots = plan.stage_src_peer_slot[row0:row0 + n]  # [n] the peer's local slots
             peer = self._peers[q][layer]
-            with torch.cuda.stream(self._streams[q]):  # copies run on the peer GPU's side stream
+            stream = self._streams[q]  # one stream per peer: pulls from several peers overlap
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
                 for s0, r0, m in _runs(slots, np.arange(row0, row0 + n)):
                     for b, pw in zip(staging, peer):
                         b[r0:r0 + m].copy_(pw[s0:s0 + m])
                         received += b[r0:r0 + m].nbytes
+        for q, _r, _n in blocks:
+            torch.cuda.current_stream(self.device).wait_stream(self._streams[q])
         torch.cuda.current_stream(self.device).synchronize()  # every read of peer memory done
         return received
+
+    @property
+    def hold_bytes(self) -> int:
+        """GPU memory of the hold buffer (allocated at construction; 0 without one)."""
+        return 0 if self.hold is None else sum(b.nbytes for b in self.hold)
+
+    def can_move(self, weights: Sequence[torch.Tensor]) -> bool:
+        """Whether `move` can carry out a layer of these (registered) weights."""
+        return self._can_move and _weights_key(weights) in self._layer_of
+
+    @torch.no_grad()
+    def move(self, plan: LayerTransferPlan, weights: list[torch.Tensor], group) -> int:
+        """Carry out `plan` in place in one pass, with no staging of received experts:
+        the whole layer transfer of a synchronous rebalance (`execute_layer_transfer`).
+        Returns bytes received. Every rank with a non-noop plan calls it.
+
+        1. hold: copy the old experts of `plan.hold_slots` (changed slots whose expert is
+           still sent or copied locally) into this rank's hold buffer, in chunks of about
+           `hold_chunk_bytes`, on the current stream; then the local writes;
+        2. as each hold chunk completes, tell the ranks that write into those slots (a CPU
+           token on the gloo group); on each token from a receiver, write the experts that
+           go into that chunk of its slots straight there (`send_dst_slot`), from this
+           rank's hold rows or unchanged slots, on a per-peer stream of this GPU. Writing
+           into a peer's chunk k overlaps holding chunk k+1 on both GPUs. The copies are
+           pushes, run by this process on its own GPU, so they never share a GPU with
+           another process's work (a pull issued on the peer's GPU would be time-sliced
+           against that peer's hold copies);
+        3. wait for the pushes and tell the receivers; wait for every sender's word, then
+           copy a received expert into any further slot that wants it. On return no peer
+           writes this rank's slots any more and nothing reads this rank's hold buffer.
+        """
+        import torch.distributed as dist
+
+        layer = self._layer(weights)
+        if not self._can_move:
+            raise RuntimeError("this IPC transport has no hold buffer (hold=False, layers of "
+                               "different shapes, or closed): use exchange/settle/write_layer")
+        ops = in_place_ops(plan)
+        cur = torch.cuda.current_stream(self.device)
+        expert_bytes = sum(w[0].nbytes for w in weights)
+        rows = max(1, self.hold_chunk_bytes // expert_bytes)  # hold rows per chunk
+        H = plan.num_held
+        events = []  # [chunks] hold chunk c done (and, with it, everything queued before)
+        for c in range(max(1, -(-H // rows))):
+            lo, hi = c * rows, min(H, (c + 1) * rows)
+            for s0, r0, n in _runs(plan.hold_slots[lo:hi], np.arange(lo, hi)):
+                for w, b in zip(weights, self.hold):
+                    b[r0:r0 + n].copy_(w[s0:s0 + n])
+            events.append(torch.cuda.Event())
+            events[-1].record(cur)
+        from_hold = ops.local_hold_row >= 0  # [W']
+        for d0, r0, n in _runs(ops.local_dst[from_hold], ops.local_hold_row[from_hold]):
+            for w, b in zip(weights, self.hold):
+                w[d0:d0 + n].copy_(b[r0:r0 + n])
+        for d0, s0, n in _runs(ops.local_dst[~from_hold], ops.local_src_slot[~from_hold]):
+            for w in weights:
+                w[d0:d0 + n].copy_(w[s0:s0 + n])
+
+        # token c from a receiver: its hold chunk c is done, so the slots held there (and,
+        # for c = 0, the slots it does not hold) may be written
+        send_chunk = np.maximum(plan.send_dst_hold_row, 0) // rows  # [T] token each send waits for
+        out_last = {p: int(send_chunk[plan.send_peer == p].max()) for p in np.unique(plan.send_peer).tolist()}
+        recv_rows = _hold_rows(plan.hold_slots, ops.recv_dst)  # [R]
+        recv_chunk = np.maximum(recv_rows, 0) // rows  # [R]
+        in_last = {q: int(recv_chunk[ops.recv_peer == q].max()) for q in np.unique(ops.recv_peer).tolist()}
+
+        cpu = self._cpu_group
+        works, tokens = [], 0
+        for c in range(max([-1, *out_last.values(), *in_last.values()]) + 1):
+            senders = [q for q, last in sorted(in_last.items()) if last >= c]
+            if senders:
+                events[c].synchronize()  # my hold chunk c (for c = 0: all earlier work) done
+                for q in senders:
+                    works.append(dist.isend(torch.tensor([c]), _global_rank(cpu, q), group=cpu, tag=1))
+            for p in [p for p, last in sorted(out_last.items()) if last >= c]:
+                got = torch.empty(1, dtype=torch.int64)
+                dist.recv(got, _global_rank(cpu, p), group=cpu, tag=1)
+                tokens += 1
+                if int(got) != c:
+                    raise RuntimeError(f"in-place move of layer {layer}: rank {p} sent token "
+                                       f"{int(got)}, expected {c} (plans differ between ranks)")
+                self._push(p, layer, plan, np.flatnonzero((plan.send_peer == p) & (send_chunk == c)),
+                           rows, events, weights)
+        for p in out_last:  # my writes into p are done: tell p
+            self._streams[p].synchronize()
+            works.append(dist.isend(torch.ones(1), _global_rank(cpu, p), group=cpu, tag=2))
+        works += [dist.irecv(torch.empty(1), _global_rank(cpu, q), group=cpu, tag=2) for q in in_last]
+        for work in works:
+            work.wait()
+        for d, src in zip(ops.dup_dst.tolist(), ops.dup_src.tolist()):  # every sender is done
+            for w in weights:
+                w[d].copy_(w[src])
+        self.last_messages = tokens + len(in_last) + len(out_last)
+        self.moves += 1
+        return len(ops.recv_peer) * expert_bytes
+
+    def _push(self, p: int, layer: int, plan: LayerTransferPlan, idx: np.ndarray, rows: int,
+              events: list, weights: list[torch.Tensor]) -> None:
+        """Queue the sends `idx` (indices into `plan.send_*`) to rank `p` on the per-peer
+        stream: each expert from its hold row (after that hold chunk) or unchanged slot into
+        the receiver's slot."""
+        if idx.size == 0:
+            return
+        stream = self._streams[p]
+        src_rows = plan.send_hold_row[idx]  # [n]
+        if (src_rows >= 0).any():
+            stream.wait_event(events[int(src_rows.max()) // rows])
+        dst, slots = plan.send_dst_slot[idx], plan.send_slot[idx]  # [n], [n]
+        held = src_rows >= 0
+        peer = self._peers[p][layer]
+        with torch.cuda.stream(stream):  # the peer's tensors are mapped on this GPU (`_open`)
+            for d0, r0, n in _runs(dst[held], src_rows[held]):
+                for pw, b in zip(peer, self.hold):
+                    pw[d0:d0 + n].copy_(b[r0:r0 + n])
+            for d0, s0, n in _runs(dst[~held], slots[~held]):
+                for pw, w in zip(peer, weights):
+                    pw[d0:d0 + n].copy_(w[s0:s0 + n])
 
     def settle(self, plan: LayerTransferPlan, group) -> None:
         """Pairwise, stream-ordered: send a token to every rank this rank pulled from and make
@@ -890,8 +1164,9 @@ def execute_layer_transfer(plan: LayerTransferPlan, weights: Sequence[torch.Tens
                            group=None, staging: Sequence[torch.Tensor] | None = None, *,
                            transport=None) -> int:
     """Carry out `plan` on one layer's local expert tensors, in place; return bytes received:
-    `exchange_layer`, the transport's `settle` (IPC: wait until peers finished reading),
-    then `write_layer`.
+    with an IPC transport that has a hold buffer, `IpcTransport.move` (received experts
+    go straight into their slots, no staging); otherwise `exchange_layer`, the transport's
+    `settle` (IPC: wait until peers finished reading), then `write_layer`.
 
     `weights`: tensors `[S, ...]` (stacked local slots, views allowed, non-contiguous too),
     written only through `copy_` into slot views, so storage and `data_ptr` are unchanged.
@@ -905,12 +1180,21 @@ def execute_layer_transfer(plan: LayerTransferPlan, weights: Sequence[torch.Tens
     weights = _check_weights(plan, weights)
     if plan.is_noop:
         return 0
-    staging = allocate_staging(weights, plan.num_staged) if staging is None else list(staging)
     transport = _resolve(transport)
+    if moves_in_place(transport, weights):
+        return transport.move(plan, weights, group)
+    staging = allocate_staging(weights, plan.num_staged) if staging is None else list(staging)
     received = exchange_layer(plan, weights, group, staging, transport=transport)
     transport.settle(plan, group)
     write_layer(plan, weights, staging)
     return received
+
+
+def moves_in_place(transport, weights: Sequence[torch.Tensor]) -> bool:
+    """Whether `execute_layer_transfer` moves this layer with `transport.move` (the IPC
+    transport with its hold buffer) rather than exchange, settle and write."""
+    can = getattr(transport, "can_move", None)
+    return bool(can is not None and can(list(weights)))
 
 
 def first_slot_of_expert(row) -> dict[int, int]:
@@ -1111,7 +1395,7 @@ class TransferExecutor:
                 plan = plan_layer_transfer(old_p2l[layer], new_p2l[layer], num_ranks, rank, num_nodes)
                 old_cs = slot_checksums(weights) if self.verify and weights else None
                 if not plan.is_noop:
-                    staging = self._staging_for(weights)
+                    staging = None if moves_in_place(transport, weights) else self._staging_for(weights)
                     if transport is None:
                         nbytes += execute_layer_transfer(plan, weights, group, staging)
                     else:

@@ -67,6 +67,41 @@ def test_async_rebalance_over_cuda_ipc():
     run_distributed(_serving_body, 2, "ipc")
 
 
+def _sync_ipc_body(rank, world):
+    """Synchronous rebalances over CUDA IPC move each layer in place (`IpcTransport.move`):
+    every forward still equals the dense reference, weights match the maps after each."""
+    from moe import DenseMoEModel, MoEModel, sample_tokens
+
+    device = device_for(rank)
+    args = _args(num_layers=3, num_redundant_experts=world)
+    model = MoEModel(args, group=dist.group.WORLD, device=device)
+    runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=world, window_size=4,
+                                            rebalance_interval=5, move_tolerance=0.0,
+                                            async_rebalance=False, transport="ipc"))
+    reference = DenseMoEModel(args, device=device)
+    ptrs = [w.data_ptr() for ws in runtime.expert_weights for w in ws]
+    events = []
+    for step in range(30):
+        bias = _skewed_bias(step, args.num_layers, args.num_experts).to(device)
+        model.set_routing_bias(bias)
+        reference.set_routing_bias(bias)
+        x = sample_tokens(args, 48, seed=1000 * step + rank, device=device)
+        torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
+        event = runtime.step()
+        check_committed(args, runtime, device)
+        events += [event] if event is not None else []
+    assert len(events) >= 3 and sum(e.slots_changed for e in events) > 0
+    assert runtime.transport.moves > 0, "the synchronous rebalance did not move in place"
+    assert [w.data_ptr() for ws in runtime.expert_weights for w in ws] == ptrs
+    assert_same_on_every_rank(runtime.physical_to_logical)
+
+
+@pytest.mark.skipif(BACKEND != "nccl" or torch.cuda.device_count() < 2,
+                    reason="CUDA IPC needs EPLB_TEST_BACKEND=nccl and 2 GPUs (GPU machine)")
+def test_sync_rebalance_over_cuda_ipc_moves_in_place():
+    run_distributed(_sync_ipc_body, 2)
+
+
 def _explicit_body(rank, world):
     from moe import MoEModel, sample_tokens
 

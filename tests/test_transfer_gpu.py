@@ -145,6 +145,7 @@ def _back_to_back(rank: int, world: int) -> None:
             for layer, ts in enumerate(layers):
                 _check(layer, new[layer, local], *ts)
         executor.close()
+    assert ipc.moves > 0, "execute_layer_transfer did not move in place over IPC"
     ipc.close()
 
 
@@ -179,14 +180,57 @@ def _large_experts(rank: int, world: int) -> None:
     ipc.close()
 
 
+def _in_place(rank: int, world: int) -> None:
+    """`IpcTransport.move` (the synchronous in-place path): bf16 experts of 2 MiB, hold
+    chunks of one expert (a token per expert) and of the default size, whole-layer swaps,
+    partial trades and random rows with duplicates, back to back with no barrier: bitwise
+    equal to the source experts, hold buffer within one layer, no new GPU memory."""
+    device = device_for(rank)
+    group = dist.group.WORLD
+    S, H, I, N = 8, 512, 512, 12
+    g = torch.Generator(device=device).manual_seed(1)
+    allw13 = torch.randn(N, 2 * I, H, generator=g, device=device).to(torch.bfloat16)  # [N, 2I, H]
+    allw2 = torch.randn(N, H, I, generator=g, device=device).to(torch.bfloat16)  # [N, H, I]
+    rng = np.random.default_rng(3)
+
+    def row() -> np.ndarray:  # [2S] every expert at least once, duplicates possible
+        return rng.permutation(np.concatenate([np.arange(N), rng.integers(0, N, world * S - N)]))
+
+    rows = [np.arange(world * S) % N]
+    rows.append(np.concatenate([rows[0][S:], rows[0][:S]]))  # every slot changes rank
+    rows += [row() for _ in range(8)]
+    rows.append(rows[0])
+    local = slice(rank * S, (rank + 1) * S)
+    expert_bytes = (allw13[0].nbytes + allw2[0].nbytes)
+    for chunk in (expert_bytes, 3 * expert_bytes, None):
+        first = torch.as_tensor(rows[0][local], device=device)
+        w13, w2 = allw13[first].clone(), allw2[first].clone()
+        kw = {} if chunk is None else {"hold_chunk_bytes": chunk}
+        ipc = IpcTransport([[w13, w2]], group, **kw)
+        assert ipc.can_move([w13, w2]) and ipc.hold_bytes == w13.nbytes + w2.nbytes
+        torch.cuda.synchronize(device)
+        mem = torch.cuda.memory_allocated(device)
+        for old, new in zip(rows[:-1], rows[1:]):
+            plan = plan_layer_transfer(old, new, world, rank)
+            got = execute_layer_transfer(plan, [w13, w2], group, transport=ipc)
+            assert got == plan.num_received * expert_bytes
+            experts = torch.as_tensor(new[local], device=device)
+            assert torch.equal(w13, allw13[experts]) and torch.equal(w2, allw2[experts]), (chunk, new)
+            del experts
+        assert ipc.moves > 0 and torch.cuda.memory_allocated(device) == mem
+        ipc.close()
+        dist.barrier()
+        del ipc
+
+
 def _all(rank: int, world: int) -> None:
     import faulthandler
     import sys
     import traceback
 
-    faulthandler.dump_traceback_later(80, exit=True)  # a hang prints every thread's stack
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang prints every thread's stack
     try:
-        for phase in (_split_halves, _back_to_back, _large_experts):
+        for phase in (_split_halves, _back_to_back, _large_experts, _in_place):
             print(f"rank {rank}: {phase.__name__}", flush=True)
             phase(rank, world)
             # IPC shutdown order: mappings closed on every rank, then the weights go
@@ -203,4 +247,4 @@ def _all(rank: int, world: int) -> None:
 
 
 def test_transports_on_two_gpus():
-    run_distributed(_all, 2, timeout=110)
+    run_distributed(_all, 2, timeout=150)

@@ -10,6 +10,7 @@ from eplb.placement import Placement
 from eplb.transfer import (
     LayerTransferPlan,
     assign_senders,
+    in_place_ops,
     plan_layer_transfer,
     plan_layer_transfers,
     transfer_stats,
@@ -244,3 +245,81 @@ def test_receivers_know_the_slot_their_sender_reads():
                     hit = np.flatnonzero((sender.send_expert == e) & (sender.send_peer == r))
                     assert hit.size == 1
                     assert sender.send_slot[hit[0]] == plan.stage_src_peer_slot[k]
+
+
+def run_in_place(old, new, M: int, rng) -> np.ndarray:
+    """Carry out the in-place move of every rank on integer slot contents: all holds first,
+    then every rank's sends (written into the receiver's slot) and local writes
+    interleaved at random, then the further copies of received experts; every read
+    asserts that what it reads is still the expert it wants. Returns `[P]`."""
+    plans = plan_layer_transfers(old, new, M)
+    S = len(old) // M
+    w = np.asarray(old).reshape(M, S).copy()  # [M, S] live slots
+    changed = np.asarray(old).reshape(M, S) != np.asarray(new).reshape(M, S)  # [M, S]
+    hold = [w[r, p.hold_slots].copy() for r, p in enumerate(plans)]  # [H_r] per rank
+    ops = []  # (rank written, dst slot, expert wanted, read) with read() -> the expert copied
+    for r, p in enumerate(plans):
+        for e, q, slot, row, d in zip(p.send_expert, p.send_peer, p.send_slot, p.send_hold_row,
+                                      p.send_dst_slot):
+            assert row >= 0 or not changed[r, slot], "a changed slot must be sent from its hold"
+            ops.append((int(q), int(d), int(e), (lambda r=r, row=row, slot=slot:
+                                                 hold[r][row] if row >= 0 else w[r, slot])))
+        o = in_place_ops(p)
+        for d, h, src in zip(o.local_dst, o.local_hold_row, o.local_src_slot):
+            assert h >= 0 or not changed[r, src]
+            ops.append((r, int(d), int(new[r * S + d]),
+                        (lambda r=r, h=h, src=src: hold[r][h] if h >= 0 else w[r, src])))
+    written = Counter()
+    for i in rng.permutation(len(ops)).tolist():
+        r, d, want, read = ops[i]
+        got = read()
+        assert got == want, f"rank {r} slot {d}: read expert {got}, wanted {want}"
+        w[r, d] = got
+        written[(r, d)] += 1
+    for r, p in enumerate(plans):  # once every sender is done
+        o = in_place_ops(p)
+        for d, src in zip(o.dup_dst, o.dup_src):
+            w[r, d] = w[r, src]
+            written[(r, int(d))] += 1
+    assert set(written) == {(r, d) for r, d in zip(*np.nonzero(changed))}
+    assert max(written.values(), default=1) == 1, "a slot written twice"
+    for r, p in enumerate(plans):
+        assert len(p.hold_slots) <= S and changed[r, p.hold_slots].all()
+        sends_changed = changed[r, p.send_slot]
+        assert ((p.send_hold_row >= 0) == sends_changed).all()
+        assert (p.hold_slots[p.send_hold_row[sends_changed]] == p.send_slot[sends_changed]).all()
+    return w.reshape(-1)
+
+
+def test_in_place_move_ends_on_the_new_placement_in_any_write_order():
+    """The hold rows let every rank write its changed slots straight away (no staging of
+    received experts): with all holds done first, any interleaving of the ranks' writes
+    reads only hold rows or unchanged slots and ends exactly on `new`."""
+    rng = np.random.default_rng(11)
+    for M, N, P in ((2, 8, 8), (2, 6, 8), (4, 10, 16), (4, 16, 16), (8, 24, 32)):
+        old_fixed = Placement.initial(1, N, P, M).physical_to_logical[0]
+        for t in range(25):
+            old = old_fixed if t % 2 else random_row(rng, N, P)
+            new = random_row(rng, N, P)
+            assert np.array_equal(run_in_place(old, new, M, rng), new)
+    swap = np.concatenate([np.arange(8, 16), np.arange(8)])  # every expert changes rank
+    assert np.array_equal(run_in_place(np.arange(16), swap, 2, rng), swap)
+
+
+def test_senders_know_where_their_receiver_wants_each_expert():
+    """`send_dst_slot` / `send_dst_hold_row`, computed by the sender alone from the layer
+    rows, are the receiver's own `recv_dst` for that expert and its hold row of that slot
+    (the hold chunk whose completion the sender waits for)."""
+    rng = np.random.default_rng(5)
+    for M, N, P in ((2, 6, 8), (4, 10, 16)):
+        for _ in range(30):
+            old, new = random_row(rng, N, P), random_row(rng, N, P)
+            plans = plan_layer_transfers(old, new, M)
+            for r, plan in enumerate(plans):
+                o = in_place_ops(plan)
+                for k, (q, d) in enumerate(zip(o.recv_peer.tolist(), o.recv_dst.tolist())):
+                    e = int(plan.stage_expert[plan.recv_rows[k]])
+                    hit = np.flatnonzero((plans[q].send_expert == e) & (plans[q].send_peer == r))
+                    assert hit.size == 1 and plans[q].send_dst_slot[hit[0]] == d
+                    held = np.flatnonzero(plan.hold_slots == d)
+                    assert plans[q].send_dst_hold_row[hit[0]] == (held[0] if held.size else -1)
