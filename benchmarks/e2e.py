@@ -90,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--planner", choices=["process", "thread"], default="process",
                    help="async mode: rank 0 plans in a child process (default) or in the "
                         "rebalance thread (EplbConfig.planner_process)")
+    p.add_argument("--transport", choices=["nccl", "ipc", "auto"], default="nccl",
+                   help="EplbConfig.transport (default nccl, the runtime's default)")
     p.add_argument("--weighted", action="store_true", help="weighted replicas (EPLB and oracle)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="also write the summary as JSON")
@@ -169,7 +171,7 @@ class Run:
     def config(self, interval: int, asynchronous: bool) -> EplbConfig:
         kw = dict(num_redundant_experts=self.a.redundant, window_size=self.a.window,
                   rebalance_interval=interval, policy=self.a.policy, control_interval=0,
-                  weighted_replicas=self.a.weighted, num_nodes=1)
+                  weighted_replicas=self.a.weighted, num_nodes=1, transport=self.a.transport)
         if asynchronous:
             kw["async_rebalance"] = True
             kw["planner_process"] = self.a.planner == "process"
@@ -302,7 +304,7 @@ def report(a: argparse.Namespace, run: Run, summary: dict, seconds_total: float)
           f"stride {a.trace_stride}, bias strength {a.bias_strength}; interval {a.interval}, "
           f"window {a.window}, warm-up {a.warmup} + {a.steps} timed steps; policy {a.policy}"
           f"{' weighted' if a.weighted else ''}; EPLB mode {a.mode}"
-          f"{f' (planner in a {a.planner})' if a.mode == 'async' else ''}; "
+          f"{f' (planner in a {a.planner})' if a.mode == 'async' else ''}, transport {a.transport}; "
           f"model init {run.seconds_init:.1f} s; total {seconds_total:.1f} s")
     head = (f"{'placement':<8} {'tokens/s':>12} {'vs static':>9} {'balancedness':>12} "
             f"{'step ms':>8} {'rebalances':>10} {'moved':>6}")

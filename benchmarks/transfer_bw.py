@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eplb.transfer import (  # noqa: E402
     DEFAULT_CHUNK_BYTES,
+    DEFAULT_HOLD_CHUNK_BYTES,
     IpcTransport,
     P2PTransport,
     allocate_staging,
@@ -207,8 +208,9 @@ def _layers(rank: int, device, group, cfg: dict, out: dict) -> None:
                         for c in cfg["chunks"]]
         elif m in ("ipc", "auto"):  # set up when its turn comes (collective)
             methods.append((m, lambda m=m: make_transport(m, [weights], group)))
-        elif m == "ipc-move":
-            methods.append((m, lambda: IpcTransport([weights], group)))
+        elif m == "ipc-move":  # one per hold chunk size
+            methods += [(f"ipc-move@{c >> 20}M", lambda c=c: IpcTransport([weights], group, hold_chunk_bytes=c))
+                        for c in cfg["hold_chunks"]]
     side = torch.cuda.Stream(device) if cuda else None
 
     if rank == 0:
@@ -235,7 +237,7 @@ def _layers(rank: int, device, group, cfg: dict, out: dict) -> None:
                 torch.cuda.empty_cache()
                 base_mem = torch.cuda.memory_allocated(device)
                 torch.cuda.reset_peak_memory_stats(device)
-            in_place = name == "ipc-move"  # one in-place pass: no exchange/write split
+            in_place = name.startswith("ipc-move")  # one in-place pass: no exchange/write split
             # S rows, as the executors keep it (the in-place move has its hold buffer)
             staging = None if in_place else allocate_staging(weights)
             t_ex, t_all, received = [], [], 0
@@ -357,6 +359,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", default=None,
                     help="chunk sizes of the nccl transport, e.g. 64M,256M,1G")
     ap.add_argument("--methods", default=None, help="legacy,nccl,ipc,ipc-move,auto")
+    ap.add_argument("--hold-chunks", default=None,
+                    help="hold chunk sizes of ipc-move (IpcTransport.hold_chunk_bytes), e.g. 128M,512M")
     ap.add_argument("--raw-gib", type=float, default=2.0, help="size of the raw peer copy")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
@@ -377,6 +381,7 @@ def main(argv=None) -> int:
                warmup=a.warmup, partial=a.partial, seed=a.seed,
                chunks=sorted({parse_bytes(c) for c in pick["chunks"].split(",")}),
                methods=pick["methods"].split(","),
+               hold_chunks=sorted({parse_bytes(c) for c in (a.hold_chunks or f"{DEFAULT_HOLD_CHUNK_BYTES >> 20}M").split(",")}),
                raw_bytes=0 if a.cpu else int(a.raw_gib * 2**30), raw_iters=10)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

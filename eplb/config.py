@@ -58,7 +58,8 @@ class EplbConfig:
     transport: str = "nccl"
     """How expert weights travel between ranks: "nccl" (point-to-point over the EP group's
     backend, coalesced per peer in messages of up to 1 GiB; gloo on CPU), "ipc" (CUDA IPC
-    pulls straight from the peers' slots, all ranks on one host) or "auto" (IPC where it
+    straight from the peers' slots, all ranks on one host; synchronous rebalances move each
+    layer in place; keeps a hold buffer of one layer of local experts per GPU) or "auto" (IPC where it
     can work, else "nccl"; see `eplb.transfer.make_transport`). benchmarks/README.md has
     the bandwidth of each."""
     transfer_timeout: float = 300.0

@@ -454,16 +454,19 @@ Chosen by measurement on 2 x H200 (benchmarks/results/transfer-2026-11-30.md): o
 of DeepSeek-V3 experts swapped between 2 GPUs reached 0.44 / 0.64 / 0.75 / 0.90 of the raw
 peer copy with 16 MiB / 64 MiB / 256 MiB / 1 GiB messages."""
 
-DEFAULT_HOLD_CHUNK_BYTES = 512 << 20
-"""Granularity of `IpcTransport.move`'s pipeline: a sender tells its receivers that the
-next `DEFAULT_HOLD_CHUNK_BYTES` of its hold buffer are filled, and they pull those rows
-while it fills the following ones."""
+DEFAULT_HOLD_CHUNK_BYTES = 2 << 30
+"""Granularity of `IpcTransport.move`'s pipeline: a receiver tells its senders when each
+`hold_chunk_bytes` of its hold buffer is filled, and they write into those slots while it
+holds the next chunk. Chosen by measurement on 2 x H200 (benchmarks/README.md, one layer
+of DeepSeek-V3 experts swapped): 0.66 / 0.85 / 0.91 / 0.78 of the raw peer copy with
+128 MiB / 512 MiB / 2 GiB / 16 GiB (one chunk: no overlap) chunks."""
 
 AUTO_PREFERS_IPC = True
-"""`make_transport("auto")` picks the CUDA IPC pull when every rank is on one host with
-CUDA weights and an NCCL group (measured faster there: 0.97 vs 0.90 of the raw peer copy
-for a whole-layer swap, 0.82 vs 0.79 for a 25% change); otherwise NCCL (or gloo)
-point-to-point."""
+"""`make_transport("auto")` picks CUDA IPC when every rank is on one host with CUDA weights
+and an NCCL group (measured faster there on 2 x H200, one DeepSeek-V3 layer: exchange 0.93
+vs 0.89 of the raw peer copy for a whole-layer swap, 0.86 vs 0.79 for a 25% change; a
+synchronous move in place 0.90 against 0.75 for NCCL's exchange and write); otherwise
+NCCL (or gloo) point-to-point."""
 
 
 def staging_rows(plan: LayerTransferPlan) -> int:
@@ -743,10 +746,11 @@ def _weights_key(weights: Sequence[torch.Tensor]) -> tuple:
 
 
 class IpcTransport:
-    """Pull over CUDA IPC (same host): every rank maps the expert tensors of every peer once
-    (`reduce_tensor` handles, one `all_gather_object`), and a receiver copies the experts it
-    needs straight from the peer's old slots into its staging rows (`copy_` over NVLink,
-    one copy per run of consecutive slots), with no NCCL kernels and no pack buffer.
+    """CUDA IPC (same host): every rank maps the expert tensors of every peer once
+    (`reduce_tensor` handles, one `all_gather_object`; mapped on the rank's own GPU, see
+    `_open`), and a receiver copies the experts it needs straight from the peer's old slots
+    into its staging rows (`copy_` over NVLink, one copy per run of consecutive slots, on
+    its own GPU), with no NCCL kernels and no pack buffer.
 
     Per layer, in `exchange`: the receiver knows from its plan which slot of which peer
     holds each expert (`stage_src_peer_slot`), so no NCCL message is needed. It waits
@@ -761,16 +765,17 @@ class IpcTransport:
     `settle` (used by `execute_layer_transfer`) waits for a token from every puller; a
     caller with its own barrier between exchange and write on all ranks may skip it.
 
-    `move` does a whole synchronous layer transfer in place through a hold buffer that
-    every rank shares with its peers (`hold=True`, when all layers have the same tensor
-    shapes): one layer of local experts, allocated at construction and kept; `hold`
-    exposes it so a caller can use it as its staging buffer too (the runtime does).
+    `move` does a whole synchronous layer transfer in place, each sender writing straight
+    into its receivers' slots, through a hold buffer of each rank's own (`hold=True`, when
+    all layers have the same tensor shapes): one layer of local experts, allocated at
+    construction and kept; `hold` exposes it so a caller can use it as its staging buffer
+    too (the runtime does). `hold_chunk_bytes`: the pipeline's granularity (equal on all
+    ranks).
 
     Construction is collective over `group` (every rank, same layers); it raises on every
     rank when IPC cannot work (ranks on different hosts, a peer GPU not visible, non-CUDA
-    weights, shapes differing between ranks). Costs: a CUDA context on each peer GPU in
-    every process (a few hundred MiB there, not counted by `torch.cuda.memory_allocated`),
-    and the hold buffer.
+    weights, shapes differing between ranks). Costs: the hold buffer, and the peers'
+    mappings (address space, no memory).
     """
 
     name = "ipc"
