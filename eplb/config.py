@@ -62,6 +62,15 @@ class EplbConfig:
     layer in place; keeps a hold buffer of one layer of local experts per GPU) or "auto" (IPC where it
     can work, else "nccl"; see `eplb.transfer.make_transport`). benchmarks/README.md has
     the bandwidth of each."""
+    exchange_launch: str = "auto"
+    """Asynchronous mode: where each layer's weight exchange is launched. "step": from
+    `step()`, at the same step on every rank, so the transfer group's NCCL kernels reach
+    every GPU in the same order relative to the model's own collectives (NCCL requires
+    that order for concurrent communicators; two threads launching cannot promise it);
+    costs the step loop the host time of launching (the transfer itself runs on a side
+    stream). "thread": from the rebalance thread. "auto": "step" on CUDA with more than
+    one rank when the transport launches NCCL kernels ("nccl"), else "thread" (gloo, and
+    "ipc", which launches no kernel of a process group)."""
     transfer_timeout: float = 300.0
     """Seconds a rebalance waits for a peer (or for its own transfer to make progress)
     before it counts the rebalance as failed; a rank that died or stopped answering is
@@ -111,6 +120,9 @@ class EplbConfig:
             raise ValueError(f"async_rebalance must be a bool, got {self.async_rebalance!r}")
         if not isinstance(self.planner_process, bool):
             raise ValueError(f"planner_process must be a bool, got {self.planner_process!r}")
+        if self.exchange_launch not in ("auto", "thread", "step"):
+            raise ValueError(f"exchange_launch={self.exchange_launch!r} is unknown; choose one of "
+                             "['auto', 'thread', 'step']")
         if (isinstance(self.transfer_timeout, bool) or not isinstance(self.transfer_timeout, (int, float))
                 or not 0 < self.transfer_timeout <= 86400):
             raise ValueError(f"transfer_timeout must be seconds in (0, 86400], got {self.transfer_timeout!r}")

@@ -20,6 +20,10 @@ in-place pass at the switch (`IpcTransport.move`: nothing staged, each byte writ
 a failure inside it leaves the layer partly written, so it is fatal like a failed write.
 Asynchronous use: `start()` runs planning and exchanges in a thread; the step loop calls
 `advance()` once per step (agree, then switch at most one layer).
+With `launch_in_step` (the NCCL transport on GPUs) the thread only prepares each layer
+(plan, staging, checksums) and `advance()` launches its exchange on the side stream once
+every rank has prepared it (one more value in the agreement), so the transfer's NCCL
+kernels are launched at the same step, after the same forward, on every rank.
 
 Failures. A failure that every rank learns through the agreement (planning error, a
 transfer error or verification failure on any rank, no progress for `timeout` seconds)
@@ -50,6 +54,10 @@ from eplb.transfer import (LayerTransferPlan, TransferVerificationError, allocat
 log = logging.getLogger("eplb.placement_change")
 
 
+LAUNCH_MODES = ("auto", "thread", "step")
+"""Where an asynchronous change launches its exchanges (`PlacementChange(launch=...)`)."""
+
+
 class RebalanceError(RuntimeError):
     """A rebalance stopped part-way on every rank at the same layer; every layer is on its
     old or its new placement with maps matching weights, and serving can continue."""
@@ -76,6 +84,12 @@ class PlacementChange:
     step loop's agreements, `plan_group` (gloo) the thread's small CPU collectives.
     `stream`: the side CUDA stream of the background thread (asynchronous mode; None
     creates one, which initialises torch's stream pool the first time).
+    `launch`: where an asynchronous change launches each layer's exchange: "thread" (the
+    background thread), "step" (the step loop, in `advance()`, at the same step on every
+    rank: its NCCL kernels then enter every GPU in the same order relative to the model's
+    collectives, which two threads cannot promise, see NVIDIA/nccl#1766) or "auto" ("step"
+    on CUDA with more than one rank and a transport that launches NCCL kernels, i.e. not
+    one with `exchange_launches_no_kernels`; else "thread").
     """
 
     def __init__(self, old: Placement, plan_fn: Callable[[], Placement],
@@ -83,7 +97,9 @@ class PlacementChange:
                  maps_of: Callable[[Placement], Sequence[torch.Tensor]], *, rank: int,
                  num_ranks: int, num_nodes: int, transfer_group, control_group, plan_group=None,
                  verify: bool = False, timeout: float = 300.0, device: torch.device | None = None,
-                 transport=None, stream=None) -> None:
+                 transport=None, stream=None, launch: str = "auto") -> None:
+        if launch not in LAUNCH_MODES:
+            raise ValueError(f"launch must be one of {LAUNCH_MODES}, got {launch!r}")
         self.old = old
         self.plan_fn = plan_fn
         self.weights = [list(w) for w in weights]
@@ -97,6 +113,8 @@ class PlacementChange:
         self.cuda = self.device.type == "cuda"
         self.transport = transport  # for transfer.exchange_layer (None: point-to-point)
         self.stream = stream  # the background thread's CUDA stream (None: a new one)
+        self.launch = launch
+        self.launch_in_step = False  # resolved by start(): exchanges launched by advance()
         # everything already queued on the caller's stream (earlier writes of expert
         # weights among it) comes before this change reads a weight on another stream
         self._start_event = None
@@ -107,12 +125,15 @@ class PlacementChange:
         self.new: Placement | None = None
         self.layers: list[int] | None = None  # changed layers, in order (same on every rank)
         self.ready = -1  # -1 until planned, then layers staged so far
+        self.prepared = 0  # layers whose exchange the thread has prepared (launch in step)
+        self.launched = 0  # layers whose exchange advance() launched (launch in step)
         self.committed = 0  # layers switched so far
         self.error: BaseException | None = None  # this rank's failure, if any
         self.aborted = False
         self.steps = 0  # advance() calls (step boundaries) the change took
         self.seconds_plan = 0.0
         self.seconds_switch = 0.0  # time spent switching layers on the caller's thread
+        self.seconds_launch = 0.0  # time spent launching exchanges on the caller's thread
         # the step loop's share (asynchronous mode): host time inside advance(), its
         # longest single call, and the part spent waiting for the agreement
         self.seconds_step_loop = 0.0
@@ -132,6 +153,7 @@ class PlacementChange:
         self._new_maps: list[torch.Tensor] = []
         self._ready_events: list = []
         self._write_events: list = []
+        self._launch_events: list = []  # per changed layer: its exchange's end, when launched by advance()
         self._in_place: list[bool] = []  # per changed layer: moved by the switch itself
 
     # ---- state -------------------------------------------------------------------
@@ -164,8 +186,15 @@ class PlacementChange:
         stages.close()
 
     def start(self) -> None:
-        """Asynchronous: plan and exchange in a daemon thread; call `advance()` every step."""
+        """Asynchronous: plan and exchange in a daemon thread; call `advance()` every step.
+        With `launch_in_step`, the thread prepares each layer and `advance()` launches its
+        exchange."""
         self.pipelined = True
+        self.launch_in_step = self.launch == "step" or (
+            self.launch == "auto" and self.cuda and self.num_ranks > 1
+            and not getattr(self.transport, "exchange_launches_no_kernels", False))
+        if self.cuda and self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
         self._thread = threading.Thread(target=self._background, name="eplb-rebalance", daemon=True)
         self._thread.start()
 
@@ -173,7 +202,7 @@ class PlacementChange:
         try:
             if self.cuda:
                 torch.cuda.set_device(self.device)
-                ctx = torch.cuda.stream(self.stream or torch.cuda.Stream(self.device))
+                ctx = torch.cuda.stream(self.stream)
             else:
                 ctx = contextlib.nullcontext()
             with ctx:
@@ -221,7 +250,7 @@ class PlacementChange:
             raise EplbFatalError(
                 f"rebalance lost contact with its peers after {self.committed} switched layers "
                 f"({type(e).__name__}: {e}); a rank died or stopped answering") from e
-        min_ready, all_ok, failed_rank = agreed
+        min_ready, min_prepared, all_ok, failed_rank = agreed
         if not all_ok:
             self._stop_thread()
             self.aborted = True
@@ -231,6 +260,8 @@ class PlacementChange:
             raise RebalanceError(why) from self.error
         if min_ready > self.committed:
             self._switch_next()
+        if self.launch_in_step and min_prepared > self.launched:  # every rank, same step
+            self._launch_next()
         if self.finished:
             if self.t_end is None:
                 self.t_end = time.perf_counter()
@@ -243,14 +274,14 @@ class PlacementChange:
         return self.finished
 
     def _local_state(self) -> list[int]:
-        """[layers staged, ok, this rank if failed else num_ranks]; a change with no layer
-        switched for `timeout` seconds counts as failed here."""
+        """[layers staged, layers prepared, ok, this rank if failed else num_ranks]; a change
+        with no layer switched for `timeout` seconds counts as failed here."""
         with self._cv:
-            ready, ok = self.ready, self.error is None
+            ready, prepared, ok = self.ready, self.prepared, self.error is None
         if ok and time.monotonic() - self._last_progress > self.timeout:
             self._fail(TimeoutError(f"no layer switched for {self.timeout:g} s (transfer_timeout)"))
             ok = False
-        return [ready, int(ok), self.num_ranks if ok else self.rank]
+        return [ready, prepared, int(ok), self.num_ranks if ok else self.rank]
 
     def _fail(self, e: BaseException) -> None:
         with self._cv:
@@ -294,7 +325,7 @@ class PlacementChange:
             self.new, self.layers, self._new_maps = new, layers, new_maps
             n = len(layers)
             self._plans, self._ready_events, self._write_events = [None] * n, [None] * n, [None] * n
-            self._in_place = [False] * n
+            self._in_place, self._launch_events = [False] * n, [None] * n
             self.ready = 0
         yield
         for i, layer in enumerate(layers):
@@ -319,8 +350,20 @@ class PlacementChange:
             if self._staging is None:
                 self._staging = _staging_buffer(self.transport, weights)
             old_sums = self._gather_checksums(weights) if self.verify else None  # [P]
-            _transfer.exchange_layer(plan, weights, self.transfer_group, self._staging,
-                                     transport=self.transport)
+            if self.launch_in_step:  # advance() launches it; wait until it ran
+                with self._cv:
+                    self._plans[i] = plan
+                    self.prepared = i + 1
+                    while self._launch_events[i] is None and not self._stop and self.error is None:
+                        self._cv.wait(0.05)
+                    if self._stop or self.error is not None:
+                        return
+                    launched = self._launch_events[i]
+                if launched is not True:  # CUDA: wait for the exchange to finish
+                    launched.synchronize()
+            else:
+                _transfer.exchange_layer(plan, weights, self.transfer_group, self._staging,
+                                         transport=self.transport)
             if old_sums is not None:
                 self._check_staging(layer, plan, old_sums)
             event = None
@@ -332,6 +375,35 @@ class PlacementChange:
                 self._plans[i], self._ready_events[i] = plan, event
                 self.ready = i + 1
             yield
+
+    def _launch_next(self) -> None:
+        """Launch the next prepared layer's exchange from the step loop, on the side stream
+        (launch in step). Every rank does it at the same step (the agreed `prepared`), so
+        the transfer group's kernels enter each GPU in the same order relative to the
+        model's collectives. A failure goes through the agreement like one in the thread."""
+        i = self.launched
+        layer = self.layers[i]
+        t0 = time.perf_counter()
+        try:
+            if self.cuda:
+                with torch.cuda.stream(self.stream):
+                    _transfer.exchange_layer(self._plans[i], self.weights[layer], self.transfer_group,
+                                             self._staging, transport=self.transport)
+                    done = torch.cuda.Event()
+                    done.record(self.stream)
+            else:  # gloo: the exchange has completed on return
+                _transfer.exchange_layer(self._plans[i], self.weights[layer], self.transfer_group,
+                                         self._staging, transport=self.transport)
+                done = True
+        except Exception as e:  # noqa: BLE001 - reported through the agreement
+            self._fail(e)
+            return
+        finally:
+            self.seconds_launch += time.perf_counter() - t0
+        with self._cv:
+            self._launch_events[i] = done
+            self.launched = i + 1
+            self._cv.notify_all()
 
     def _switch_next(self) -> None:
         """Write the next staged layer into the weights and switch its maps, on the

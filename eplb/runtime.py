@@ -430,7 +430,8 @@ class EplbRuntime:
             verify=self.config.verify_transfers, timeout=self.config.transfer_timeout,
             device=self.device, transport=self.transport,
             # not beside a stale thread's stream work, which may wait on a hung transfer
-            stream=None if self._stale else self._side_stream)
+            stream=None if self._stale else self._side_stream,
+            launch=self.config.exchange_launch)
         self._change, self._change_info = change, dict(info, trigger=trigger)
         if asynchronous:
             change.start()

@@ -649,6 +649,7 @@ class P2PTransport:
     """
 
     name = "nccl"
+    exchange_launches_no_kernels = False  # NCCL kernels on the group (none on gloo)
 
     def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, (int, np.integer)) or chunk_bytes < 1:
@@ -779,6 +780,7 @@ class IpcTransport:
     """
 
     name = "ipc"
+    exchange_launches_no_kernels = True  # `exchange` may run beside the model's collectives
 
     def __init__(self, expert_weights: Sequence[Sequence[torch.Tensor]], group=None,
                  timeout: float | None = None, *, hold: bool = True,

@@ -13,7 +13,7 @@ from eplb.runtime import EplbRuntime
 from test_runtime import _args, _skewed_bias, check_committed
 
 
-def _serving_body(rank, world, transport="nccl"):
+def _serving_body(rank, world, transport="nccl", launch="auto"):
     from moe import DenseMoEModel, MoEModel, sample_tokens
 
     device = device_for(rank)
@@ -21,7 +21,8 @@ def _serving_body(rank, world, transport="nccl"):
     model = MoEModel(args, group=dist.group.WORLD, device=device)
     runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=world, window_size=4,
                                             rebalance_interval=6, move_tolerance=0.0,
-                                            async_rebalance=True, transport=transport))
+                                            async_rebalance=True, transport=transport,
+                                            exchange_launch=launch))
     assert runtime.transport.name == transport
     reference = DenseMoEModel(args, device=device)
     L, N = args.num_layers, args.num_experts
@@ -38,6 +39,10 @@ def _serving_body(rank, world, transport="nccl"):
         event = runtime.step()
         if runtime.rebalance_in_flight:
             flight_steps += 1
+            # "auto" launches from the step loop exactly on CUDA with the NCCL transport
+            in_step = launch == "step" or (launch == "auto" and device.type == "cuda"
+                                           and transport == "nccl")
+            assert runtime._change.launch_in_step == in_step
             changed = (runtime.physical_to_logical != committed_before).any(1).sum().item()
             assert changed <= 1, "at most one layer switches per step"
             switched_mid_flight += changed
@@ -59,6 +64,13 @@ def _serving_body(rank, world, transport="nccl"):
 @pytest.mark.parametrize("world", [2, 4])
 def test_async_rebalance_serves_correctly_at_every_step(world):
     run_distributed(_serving_body, world)
+
+
+@pytest.mark.parametrize("launch", ["step", "thread"])
+def test_async_rebalance_launching_exchanges_from_the_step_loop_or_the_thread(launch):
+    """Both places an exchange can be launched from serve exactly (on CPU "auto" is the
+    thread; on 2 GPUs with NCCL it is the step loop, covered by the test above)."""
+    run_distributed(_serving_body, 2, "nccl", launch)
 
 
 @pytest.mark.skipif(BACKEND != "nccl" or torch.cuda.device_count() < 2,
@@ -144,7 +156,7 @@ def test_explicit_and_requested_async_rebalances():
     run_distributed(_explicit_body, 2)
 
 
-def _failure_body(rank, world, failing_ranks, asynchronous):
+def _failure_body(rank, world, failing_ranks, asynchronous, launch="auto"):
     """An exchange that raises at the second changed layer on `failing_ranks`: every rank
     aborts at the same layer (the others may first wait for the failed rank until the
     transfer timeout), nothing raises in async mode, the failure is counted, the model
@@ -159,7 +171,8 @@ def _failure_body(rank, world, failing_ranks, asynchronous):
     args = _args(num_layers=4, num_redundant_experts=world)
     model = MoEModel(args, group=dist.group.WORLD, device=device)
     runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=world, rebalance_interval=0,
-                                            async_rebalance=asynchronous, transfer_timeout=2.0))
+                                            async_rebalance=asynchronous, transfer_timeout=2.0,
+                                            exchange_launch=launch))
     metrics = EplbMetrics(runtime, interval=1000)
     failures = []
     runtime.add_failure_listener(lambda trigger, e: failures.append((trigger, e)))
@@ -205,15 +218,19 @@ def _failure_body(rank, world, failing_ranks, asynchronous):
     assert not runtime._stale
 
 
-@pytest.mark.parametrize("failing,asynchronous", [((0, 1, 2, 3), True), ((1,), True), ((1,), False)])
-def test_failed_exchange_aborts_every_rank_at_the_same_layer(failing, asynchronous):
-    run_distributed(_failure_body, 4, failing, asynchronous, timeout=120)
+@pytest.mark.parametrize("failing,asynchronous,launch", [
+    ((0, 1, 2, 3), True, "auto"), ((1,), True, "auto"), ((1,), False, "auto"), ((1,), True, "step")])
+def test_failed_exchange_aborts_every_rank_at_the_same_layer(failing, asynchronous, launch):
+    run_distributed(_failure_body, 4, failing, asynchronous, launch, timeout=120)
 
 
 def test_config_fields():
     assert EplbConfig(async_rebalance=True, transfer_timeout=5).verify(8, 2, 8).async_rebalance
+    for launch in ("auto", "thread", "step"):
+        assert EplbConfig(exchange_launch=launch).verify(8, 2, 8).exchange_launch == launch
     for bad in (dict(async_rebalance=1), dict(transfer_timeout=0), dict(transfer_timeout=float("nan")),
-                dict(transfer_timeout=True), dict(transfer_timeout="5")):
+                dict(transfer_timeout=True), dict(transfer_timeout="5"),
+                dict(exchange_launch="later"), dict(exchange_launch=None)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             EplbConfig(**bad).verify(8, 2, 8)
 
