@@ -13,7 +13,6 @@ import math
 import sys
 from pathlib import Path
 
-import numpy as np
 
 
 class _Parser(argparse.ArgumentParser):

@@ -378,7 +378,7 @@ def test_coalesced_chunked_subgroups():
 
 def test_copy_flat_range_matches_flatten():
     """Packing reads any element range of any strided view in row-major order."""
-    from eplb.transfer import _copy_flat_range, _gather
+    from eplb.transports import _copy_flat_range, _gather
 
     g = torch.Generator().manual_seed(0)
     base = torch.randn(5, 6, 7, generator=g)
