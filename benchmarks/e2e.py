@@ -92,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "rebalance thread (EplbConfig.planner_process)")
     p.add_argument("--transport", choices=["nccl", "ipc", "auto"], default="nccl",
                    help="EplbConfig.transport (default nccl, the runtime's default)")
+    p.add_argument("--exchange-launch", choices=["auto", "thread", "step"], default="auto",
+                   help="async mode: EplbConfig.exchange_launch")
     p.add_argument("--weighted", action="store_true", help="weighted replicas (EPLB and oracle)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="also write the summary as JSON")
@@ -175,6 +177,7 @@ class Run:
         if asynchronous:
             kw["async_rebalance"] = True
             kw["planner_process"] = self.a.planner == "process"
+            kw["exchange_launch"] = self.a.exchange_launch
         return EplbConfig(**kw)
 
     def run_mode(self, mode: str, runtime: EplbRuntime, plans: dict[int, Placement] | None = None
@@ -304,7 +307,8 @@ def report(a: argparse.Namespace, run: Run, summary: dict, seconds_total: float)
           f"stride {a.trace_stride}, bias strength {a.bias_strength}; interval {a.interval}, "
           f"window {a.window}, warm-up {a.warmup} + {a.steps} timed steps; policy {a.policy}"
           f"{' weighted' if a.weighted else ''}; EPLB mode {a.mode}"
-          f"{f' (planner in a {a.planner})' if a.mode == 'async' else ''}, transport {a.transport}; "
+          f"{f' (planner in a {a.planner}, exchanges launched: {a.exchange_launch})' if a.mode == 'async' else ''}, "
+          f"transport {a.transport}; "
           f"model init {run.seconds_init:.1f} s; total {seconds_total:.1f} s")
     head = (f"{'placement':<8} {'tokens/s':>12} {'vs static':>9} {'balancedness':>12} "
             f"{'step ms':>8} {'rebalances':>10} {'moved':>6}")
