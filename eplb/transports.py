@@ -623,8 +623,10 @@ class IpcTransport:
             return
         stream = self._streams[p]
         src_rows = plan.send_hold_row[idx]  # [n]
-        if (src_rows >= 0).any():
-            stream.wait_event(events[int(src_rows.max()) // rows])
+        # after the hold chunk of the last held row read; at least after chunk 0, which
+        # follows everything queued before on this rank (an unchanged slot read here may
+        # have been written by an earlier move whose local copies are still queued)
+        stream.wait_event(events[max(int(src_rows.max()), 0) // rows])
         dst, slots = plan.send_dst_slot[idx], plan.send_slot[idx]  # [n], [n]
         held = src_rows >= 0
         peer = self._peers[p][layer]
