@@ -133,7 +133,6 @@ class PlacementChange:
         self.steps = 0  # advance() calls (step boundaries) the change took
         self.seconds_plan = 0.0
         self.seconds_switch = 0.0  # time spent switching layers on the caller's thread
-        self.seconds_launch = 0.0  # time spent launching exchanges on the caller's thread
         # the step loop's share (asynchronous mode): host time inside advance(), its
         # longest single call, and the part spent waiting for the agreement
         self.seconds_step_loop = 0.0
@@ -153,7 +152,6 @@ class PlacementChange:
         self._new_maps: list[torch.Tensor] = []
         self._ready_events: list = []
         self._write_events: list = []
-        self._launch_events: list = []  # per changed layer: its exchange's end, when launched by advance()
         self._in_place: list[bool] = []  # per changed layer: moved by the switch itself
 
     # ---- state -------------------------------------------------------------------
@@ -325,7 +323,7 @@ class PlacementChange:
             self.new, self.layers, self._new_maps = new, layers, new_maps
             n = len(layers)
             self._plans, self._ready_events, self._write_events = [None] * n, [None] * n, [None] * n
-            self._in_place, self._launch_events = [False] * n, [None] * n
+            self._in_place = [False] * n
             self.ready = 0
         yield
         for i, layer in enumerate(layers):
@@ -350,17 +348,14 @@ class PlacementChange:
             if self._staging is None:
                 self._staging = _staging_buffer(self.transport, weights)
             old_sums = self._gather_checksums(weights) if self.verify else None  # [P]
-            if self.launch_in_step:  # advance() launches it; wait until it ran
+            if self.launch_in_step:  # advance() launches it on this thread's stream
                 with self._cv:
                     self._plans[i] = plan
                     self.prepared = i + 1
-                    while self._launch_events[i] is None and not self._stop and self.error is None:
+                    while self.launched <= i and not self._stop and self.error is None:
                         self._cv.wait(0.05)
                     if self._stop or self.error is not None:
                         return
-                    launched = self._launch_events[i]
-                if launched is not True:  # CUDA: wait for the exchange to finish
-                    launched.synchronize()
             else:
                 _transfer.exchange_layer(plan, weights, self.transfer_group, self._staging,
                                          transport=self.transport)
@@ -383,25 +378,17 @@ class PlacementChange:
         model's collectives. A failure goes through the agreement like one in the thread."""
         i = self.launched
         layer = self.layers[i]
-        t0 = time.perf_counter()
+        # the thread's own stream: what the thread queues next (checksums, the event the
+        # switch waits for) comes after the exchange
+        ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
         try:
-            if self.cuda:
-                with torch.cuda.stream(self.stream):
-                    _transfer.exchange_layer(self._plans[i], self.weights[layer], self.transfer_group,
-                                             self._staging, transport=self.transport)
-                    done = torch.cuda.Event()
-                    done.record(self.stream)
-            else:  # gloo: the exchange has completed on return
+            with ctx:
                 _transfer.exchange_layer(self._plans[i], self.weights[layer], self.transfer_group,
                                          self._staging, transport=self.transport)
-                done = True
         except Exception as e:  # noqa: BLE001 - reported through the agreement
             self._fail(e)
             return
-        finally:
-            self.seconds_launch += time.perf_counter() - t0
         with self._cv:
-            self._launch_events[i] = done
             self.launched = i + 1
             self._cv.notify_all()
 
