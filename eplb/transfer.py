@@ -69,8 +69,8 @@ from eplb.transports import (  # noqa: F401 - re-exported
     P2PTransport,
     _check_staging,
     _check_weights,
+    _copy_runs,
     _resolve,
-    _runs,
     _weights_key,
     allocate_staging,
     make_transport,
@@ -142,12 +142,8 @@ def write_layer(plan: LayerTransferPlan, weights: Sequence[torch.Tensor],
     if st.any():  # staging is only read when some slot comes from it
         staging = list(staging)
         _check_staging(staging, weights, plan.num_staged)
-    for dst, src, n in _runs(plan.write_dst[st], plan.write_src[st]):
-        for w, b in zip(weights, staging):
-            w[dst:dst + n].copy_(b[src:src + n])
-    for dst, src, n in _runs(plan.write_dst[~st], plan.write_src[~st]):
-        for w in weights:
-            w[dst:dst + n].copy_(w[src:src + n])
+    _copy_runs(weights, plan.write_dst[st], staging, plan.write_src[st])
+    _copy_runs(weights, plan.write_dst[~st], weights, plan.write_src[~st])
 
 
 def execute_layer_transfer(plan: LayerTransferPlan, weights: Sequence[torch.Tensor],

@@ -103,12 +103,18 @@ def _runs(a, b) -> list[tuple[int, int, int]]:
     return [(int(a[s]), int(b[s]), int(e - s)) for s, e in zip(starts, ends)]
 
 
+def _copy_runs(dst: Sequence[torch.Tensor], dst_idx, src: Sequence[torch.Tensor], src_idx) -> None:
+    """`dst[i][dst_idx[j]] = src[i][src_idx[j]]` for every tensor `i` and index `j`, one
+    `copy_` per run of indices consecutive on both sides (`_runs`), on the current stream."""
+    for d0, s0, n in _runs(dst_idx, src_idx):
+        for d, t in zip(dst, src):
+            d[d0:d0 + n].copy_(t[s0:s0 + n])
+
+
 def _stage_local(plan: LayerTransferPlan, weights, staging) -> None:
     """Phase 1: local sources that will be overwritten go to their staging rows."""
     rows = np.flatnonzero(plan.stage_src_slot >= 0)  # [K_local]
-    for src, row, n in _runs(plan.stage_src_slot[rows], rows):
-        for w, b in zip(weights, staging):
-            b[row:row + n].copy_(w[src:src + n])
+    _copy_runs(staging, rows, weights, plan.stage_src_slot[rows])
 
 
 def _peer_blocks(plan: LayerTransferPlan) -> list[tuple[int, int, int]]:
@@ -510,10 +516,8 @@ class IpcTransport:
             stream = self._streams[q]  # one stream per peer: pulls from several peers overlap
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                for s0, r0, m in _runs(slots, np.arange(row0, row0 + n)):
-                    for b, pw in zip(staging, peer):
-                        b[r0:r0 + m].copy_(pw[s0:s0 + m])
-                        received += b[r0:r0 + m].nbytes
+                _copy_runs(staging, np.arange(row0, row0 + n), peer, slots)
+            received += n * sum(b[0].nbytes for b in staging)
         for q, _r, _n in blocks:
             torch.cuda.current_stream(self.device).wait_stream(self._streams[q])
         torch.cuda.current_stream(self.device).synchronize()  # every read of peer memory done
@@ -563,18 +567,12 @@ class IpcTransport:
         events = []  # [chunks] hold chunk c done (and, with it, everything queued before)
         for c in range(max(1, -(-H // rows))):
             lo, hi = c * rows, min(H, (c + 1) * rows)
-            for s0, r0, n in _runs(plan.hold_slots[lo:hi], np.arange(lo, hi)):
-                for w, b in zip(weights, self.hold):
-                    b[r0:r0 + n].copy_(w[s0:s0 + n])
+            _copy_runs(self.hold, np.arange(lo, hi), weights, plan.hold_slots[lo:hi])
             events.append(torch.cuda.Event())
             events[-1].record(cur)
         from_hold = ops.local_hold_row >= 0  # [W']
-        for d0, r0, n in _runs(ops.local_dst[from_hold], ops.local_hold_row[from_hold]):
-            for w, b in zip(weights, self.hold):
-                w[d0:d0 + n].copy_(b[r0:r0 + n])
-        for d0, s0, n in _runs(ops.local_dst[~from_hold], ops.local_src_slot[~from_hold]):
-            for w in weights:
-                w[d0:d0 + n].copy_(w[s0:s0 + n])
+        _copy_runs(weights, ops.local_dst[from_hold], self.hold, ops.local_hold_row[from_hold])
+        _copy_runs(weights, ops.local_dst[~from_hold], weights, ops.local_src_slot[~from_hold])
 
         # token c from a receiver: its hold chunk c is done, so the slots held there (and,
         # for c = 0, the slots it does not hold) may be written
@@ -607,9 +605,7 @@ class IpcTransport:
         works += [dist.irecv(torch.empty(1), _global_rank(cpu, q), group=cpu, tag=2) for q in in_last]
         for work in works:
             work.wait()
-        for d, src in zip(ops.dup_dst.tolist(), ops.dup_src.tolist()):  # every sender is done
-            for w in weights:
-                w[d].copy_(w[src])
+        _copy_runs(weights, ops.dup_dst, weights, ops.dup_src)  # every sender is done
         self.last_messages = tokens + len(in_last) + len(out_last)
         self.moves += 1
         return len(ops.recv_peer) * expert_bytes
@@ -631,12 +627,8 @@ class IpcTransport:
         held = src_rows >= 0
         peer = self._peers[p][layer]
         with torch.cuda.stream(stream):  # the peer's tensors are mapped on this GPU (`_open`)
-            for d0, r0, n in _runs(dst[held], src_rows[held]):
-                for pw, b in zip(peer, self.hold):
-                    pw[d0:d0 + n].copy_(b[r0:r0 + n])
-            for d0, s0, n in _runs(dst[~held], slots[~held]):
-                for pw, w in zip(peer, weights):
-                    pw[d0:d0 + n].copy_(w[s0:s0 + n])
+            _copy_runs(peer, dst[held], self.hold, src_rows[held])
+            _copy_runs(peer, dst[~held], weights, slots[~held])
 
     def settle(self, plan: LayerTransferPlan, group) -> None:
         """Pairwise, stream-ordered: send a token to every rank this rank pulled from and make
