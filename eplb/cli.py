@@ -195,7 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from eplb.demo import add_demo_arguments
 
+    from eplb import __version__
+    from eplb.policy import available_policies
+
     p = _Parser(prog="eplb", description="Expert-parallel load balancer for MoE models.")
+    p.add_argument("--version", action="version", version=f"eplb {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     d = sub.add_parser("demo", help="run the reference MoE model under a skewed load with EPLB",
@@ -210,12 +214,18 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Plan a placement from a load file: .npy [L, N] or [T, L, N] "
                                     "(summed over T), or .json/.pt holding 'logical_count'.")
     pl.add_argument("load", help="load file (.npy, .json or .pt)")
-    pl.add_argument("--num-gpus", type=_positive("--num-gpus"), required=True)
+    pl.add_argument("--num-gpus", type=_positive("--num-gpus"), required=True,
+                    help="GPUs (EP ranks) the slots are spread over")
     pl.add_argument("--num-slots", type=_positive("--num-slots"), required=True,
                     help="physical slots per layer (N + redundant), divisible by --num-gpus")
-    pl.add_argument("--num-nodes", type=_positive("--num-nodes"), default=1)
-    pl.add_argument("--num-groups", type=_positive("--num-groups"), default=1)
-    pl.add_argument("--policy", default="default")
+    pl.add_argument("--num-nodes", type=_positive("--num-nodes"), default=1,
+                    help="nodes the GPUs are on; the policy keeps expert groups inside a node "
+                         "(default 1)")
+    pl.add_argument("--num-groups", type=_positive("--num-groups"), default=1,
+                    help="expert groups of group-limited routing, N divisible by it (default 1)")
+    pl.add_argument("--policy", default="default",
+                    help=f"planning policy, one of {', '.join(available_policies())} "
+                         "(default: default)")
     pl.add_argument("--previous", metavar="FILE", help="current placement (keeps experts in place)")
     pl.add_argument("--out", required=True, metavar="FILE", help="output .json (or .npy/.pt)")
     pl.set_defaults(func=cmd_plan)

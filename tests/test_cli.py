@@ -89,3 +89,62 @@ def test_console_script_no_traceback(tmp_path):
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "not found" in r.stderr
+
+
+# ---- the entry points: `eplb --version`, `python -m eplb` (real processes) -------------------
+ROOT = Path(__file__).resolve().parent.parent
+_SCRIPT = Path(sys.executable).parent / "eplb"
+
+
+def _run(cmd, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+def test_version_from_the_script_and_python_m():
+    import eplb
+
+    expected = f"eplb {eplb.__version__}\n"
+    r = _run([sys.executable, "-m", "eplb", "--version"])
+    assert (r.returncode, r.stdout, r.stderr) == (0, expected, "")
+    if _SCRIPT.is_file():  # the installed console script (pip install -e .)
+        r = _run([str(_SCRIPT), "--version"])
+        assert (r.returncode, r.stdout, r.stderr) == (0, expected, "")
+
+
+def test_python_m_eplb_is_the_same_cli(tmp_path):
+    load = tmp_path / "load.npy"
+    np.save(load, np.array(README_LOAD, dtype=np.float64))
+    args = ["plan", str(load), "--num-gpus", "8", "--num-slots", "16", "--num-nodes", "2",
+            "--num-groups", "4", "--policy", "deepseek"]
+    r = _run([sys.executable, "-m", "eplb"] + args + ["--out", str(tmp_path / "a.json")])
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert json.loads((tmp_path / "a.json").read_text())["physical_to_logical"] == README_P2L
+    assert r.stdout.startswith("planned 2 layers x 16 slots on 8 GPUs")
+    # errors: the same exit status 2 and one line as the console script
+    r = _run([sys.executable, "-m", "eplb", "plan", str(tmp_path / "missing.npy"), "--num-gpus", "2",
+              "--num-slots", "4", "--out", str(tmp_path / "o.json")])
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("eplb plan: error: ") and "not found" in r.stderr
+    r = _run([sys.executable, "-m", "eplb"])  # no subcommand: usage error
+    assert r.returncode == 2 and "required" in r.stderr
+
+
+def test_every_plan_flag_has_help():
+    from eplb.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    plan = sub.choices["plan"]
+    actions = [a for a in plan._actions if a.dest != "help"]
+    assert {a.dest for a in actions} >= {"load", "num_gpus", "num_slots", "num_nodes", "num_groups",
+                                         "policy", "previous", "out"}
+    for a in actions:
+        assert a.help and a.help.strip() and a.help != "==SUPPRESS==", a.dest
+    # and the real `-h` shows each flag with its text
+    r = _run([sys.executable, "-m", "eplb", "plan", "-h"])
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    for a in actions:
+        assert " ".join(a.help.split()) in text, a.dest
+    assert "one of balanced, deepseek, default" in text
