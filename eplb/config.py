@@ -36,6 +36,13 @@ class EplbConfig:
     replay of benchmarks/planner.py moves 16.6% of the copies per rebalance (DeepSeek
     EPLB: 92.1%) with no worse out-of-sample balance; trade-off table in
     benchmarks/README.md (planner section)."""
+    min_gain: float = 0.01
+    """The least predicted gain in balancedness (mean over layers of mean/max GPU load, on
+    the window's load: planned placement minus the one in force) for which a rebalance
+    moves weights; a plan that gains less is a skipped rebalance: nothing moves, and it is
+    still reported (event, log, `eplb_rebalances_total{outcome="skipped"}`). 0 = move
+    whenever the plan differs. Does not apply to `apply_placement()`. Default chosen on
+    the shared traces (benchmarks/README.md, "Skipping rebalances that gain too little")."""
     weighted_replicas: bool = False
     """Let the planner give replicas unequal shares of their expert's tokens."""
     control_interval: int = 10
@@ -79,6 +86,7 @@ class EplbConfig:
     def verify(self, num_logical_experts: int, num_gpus: int,
                num_physical_experts: int | None = None) -> "EplbConfig":
         """Check against the model and the EP group; return the config with resolved values."""
+        from eplb.planning import check_min_gain
         from eplb.policy import available_policies
 
         N, M = num_logical_experts, num_gpus
@@ -108,6 +116,9 @@ class EplbConfig:
             raise ValueError(f"load_decay must be in (0, 1], got {self.load_decay!r}")
         if not isinstance(self.move_tolerance, (int, float)) or not 0 <= self.move_tolerance < 10:
             raise ValueError(f"move_tolerance must be in [0, 10), got {self.move_tolerance!r}")
+        check_min_gain(self.min_gain)
+        if not isinstance(self.weighted_replicas, bool):
+            raise ValueError(f"weighted_replicas must be a bool, got {self.weighted_replicas!r}")
         if not isinstance(self.control_interval, int) or self.control_interval < 0:
             raise ValueError(f"control_interval must be an int >= 0 (0 = ignore requests), "
                              f"got {self.control_interval!r}")

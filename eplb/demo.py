@@ -58,6 +58,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=256, help="tokens per rank per step (default 256)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--policy", default="default", help="planner (default: default)")
+    p.add_argument("--min-gain", type=float, default=EplbConfig.min_gain, metavar="G",
+                   help="skip a rebalance whose plan raises the predicted balancedness by less "
+                        f"than G (EplbConfig.min_gain, default {EplbConfig.min_gain}; 0 = never skip)")
     p.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of the synthetic load")
     p.add_argument("--drift-period", type=int, default=200,
                    help="steps per regime of the synthetic load (default 200)")
@@ -114,7 +117,7 @@ def setup(a: argparse.Namespace, world: int):
     redundant = world if a.redundant is None else a.redundant
     config = EplbConfig(num_redundant_experts=redundant, window_size=a.window,
                         rebalance_interval=a.rebalance_every, policy=a.policy,
-                        async_rebalance=a.async_rebalance)
+                        async_rebalance=a.async_rebalance, min_gain=a.min_gain)
     config.verify(a.experts, world)  # config errors first: they name the EPLB fields
     args = MoEArgs(hidden_size=a.hidden, intermediate_size=a.intermediate, num_layers=a.layers,
                    num_experts=a.experts, top_k=a.top_k, num_redundant_experts=redundant,
@@ -200,7 +203,8 @@ def run(a: argparse.Namespace) -> int:
             print(f"eplb demo: error on rank {rank}: {e}", file=sys.stderr)
             return 3
         rec = {"step": step, "balancedness": bal.round(5).tolist(),
-               "balancedness_static": bal_static.round(5).tolist(), "rebalance": None}
+               "balancedness_static": bal_static.round(5).tolist(),
+               "gpu_load": cur[:, :M].tolist(), "rebalance": None}  # gpu_load [L, M] tokens
         if event is not None:
             rec["rebalance"] = {
                 "trigger": event.trigger, "experts_moved": event.experts_moved,
@@ -213,11 +217,8 @@ def run(a: argparse.Namespace) -> int:
                 "balancedness_before": event.balancedness_before.round(5).tolist(),
                 "balancedness_after_predicted": event.balancedness_after.round(5).tolist(),
             }
-            line = (f"step {step + 1:5d} rebalance: balancedness {event.balancedness_before.mean():.3f}"
-                    f" -> {event.balancedness_after.mean():.3f} (predicted), "
-                    f"{event.experts_moved} experts moved, {event.bytes_moved / 1e6:.2f} MB, "
-                    f"{event.seconds * 1e3:.1f} ms"
-                    + (f" over {event.steps_in_flight} steps" if event.steps_in_flight else ""))
+            rec["rebalance"].update(skipped=event.skipped, predicted_gain=event.predicted_gain)
+            line = demo_line(step, event)
             if reference is not None:
                 diff, bad = verify(args, model, reference, runtime, x)
                 t = torch.tensor([diff, float(bad)], dtype=torch.float64, device=device)
@@ -253,6 +254,17 @@ def run(a: argparse.Namespace) -> int:
         server.stop()
     runtime.close()
     return 0
+
+
+def demo_line(step: int, event) -> str:
+    """The demo's line for a rebalance event (`step` counts from 0, the line from 1)."""
+    if event.skipped:
+        return f"step {step + 1:5d} rebalance " + event.describe().split(") ", 1)[1]
+    return (f"step {step + 1:5d} rebalance: balancedness {event.balancedness_before.mean():.3f}"
+            f" -> {event.balancedness_after.mean():.3f} (predicted), "
+            f"{event.experts_moved} experts moved, {event.bytes_moved / 1e6:.2f} MB, "
+            f"{event.seconds * 1e3:.1f} ms"
+            + (f" over {event.steps_in_flight} steps" if event.steps_in_flight else ""))
 
 
 def start_metrics(a: argparse.Namespace, runtime: EplbRuntime, device: torch.device):
@@ -292,7 +304,9 @@ def summarize(records: list[dict], seconds: float, a: argparse.Namespace,
     bal = np.array([np.mean(r["balancedness"]) for r in records])
     static = np.array([np.mean(r["balancedness_static"]) for r in records])
     events = [r["rebalance"] for r in records if r["rebalance"]]
-    print(f"{len(records)} steps in {seconds:.1f} s, {len(events)} rebalances, "
+    skipped = sum(bool(e.get("skipped")) for e in events)
+    print(f"{len(records)} steps in {seconds:.1f} s, {len(events)} rebalances"
+          + (f" ({skipped} skipped)" if skipped else "") + ", "
           f"{sum(e['experts_moved'] for e in events)} experts moved, "
           f"{sum(e['bytes_moved'] for e in events) / 1e6:.2f} MB, "
           f"{sum(e['seconds'] for e in events) * 1e3:.1f} ms rebalancing")

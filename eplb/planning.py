@@ -80,6 +80,33 @@ def plan(
 
 _RESCALE_ABOVE = 1e30  # layers whose largest load exceeds this are rescaled to max 1 (float32-safe)
 
+DEFAULT_MIN_GAIN = 0.01
+"""The least predicted gain in balancedness for which a rebalance moves weights (the same
+default as EplbConfig.min_gain; chosen on the shared traces, see benchmarks/README.md)."""
+
+
+def predicted_gain(current: Placement, planned: Placement, load: np.ndarray) -> float:
+    """How much `planned` would raise the balancedness of `load [L, N]` over `current`:
+    mean over layers of (mean/max GPU load on planned) - (the same on current). Both are
+    predictions on the same load, so routing noise does not count as gain."""
+    return float(np.mean(planned.balancedness(load)) - np.mean(current.balancedness(load)))
+
+
+def worth_moving(current: Placement, planned: Placement, load: np.ndarray,
+                 min_gain: float = DEFAULT_MIN_GAIN) -> tuple[bool, float]:
+    """(whether to move from `current` to `planned`, the predicted gain): a plan that gains
+    less than `min_gain` in balancedness on `load [L, N]`, or equals `current`, moves nothing."""
+    gain = predicted_gain(current, planned, load)
+    return (gain >= min_gain and planned != current), gain
+
+
+def check_min_gain(value: Any, name: str = "min_gain") -> float:
+    """`value` as a float in [0, 1) (a gain in balancedness, itself in (0, 1]), else a
+    ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"{name} must be a gain in balancedness in [0, 1), got {value!r}")
+    return float(value)
+
 
 def positive_int(value: Any, name: str) -> int:
     """`value` as an int >= 1, else a ValueError naming `name` (bools are refused)."""

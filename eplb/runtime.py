@@ -25,7 +25,7 @@ from eplb.config import EplbConfig
 from eplb.control import RebalanceRequests, agree, control_group, new_group_like
 from eplb.placement import Placement, balancedness_of_gpu_loads
 from eplb.planner_process import PlannerProcess, PlannerProcessError
-from eplb.planning import plan
+from eplb.planning import plan, predicted_gain, worth_moving
 from eplb.protocol import MixtureOfExperts, missing_members, replica_cdf, supports_replica_weights
 from eplb.recorder import LoadRecorder
 from eplb.placement_change import EplbFatalError, PlacementChange, RebalanceError
@@ -51,12 +51,13 @@ def _close_live_runtimes() -> None:
 
 @dataclass
 class RebalanceEvent:
-    """What one rebalance did, identical on every rank."""
+    """What one rebalance did, identical on every rank. A skipped rebalance (its plan
+    gained less than `min_gain`) moved nothing and kept the placement in force."""
 
     step: int
     trigger: str
-    balancedness_before: np.ndarray  # [L] measured over the window (mean/max GPU load)
-    balancedness_after: np.ndarray  # [L] predicted: the same window's load on the new placement
+    balancedness_before: np.ndarray  # [L] measured over the window's per-GPU load (mean/max)
+    balancedness_after: np.ndarray  # [L] predicted: the window's load on the placement in force after
     experts_moved: int  # remote expert copies received, all ranks together
     local_copies: int  # slots filled from another slot on the same rank
     slots_changed: int
@@ -65,23 +66,50 @@ class RebalanceEvent:
     seconds_transfer: float
     seconds_commit: float  # time the step loop spent switching layers (writes + maps)
     placement: Placement = field(repr=False)
-    steps_in_flight: int = 0  # step boundaries the change spanned (asynchronous mode)
+    steps_in_flight: int = 0  # step boundaries the change spanned (asynchronous mode; else 0)
     # what the change cost the step loop (host time): in total, its longest single step
     # boundary, and the part of the total spent waiting for agreements
     seconds_step_loop: float = 0.0
     max_step_loop_seconds: float = 0.0
     seconds_agree_wait: float = 0.0
+    # mean predicted balancedness of the plan minus that of the placement in force, both on
+    # the window's load; a plan gaining less than min_gain is skipped
+    predicted_gain: float = 0.0
+    skipped: bool = False
+    min_gain: float = 0.0
 
     @property
     def seconds(self) -> float:
         return self.seconds_plan + self.seconds_transfer + self.seconds_commit
 
+    @property
+    def outcome(self) -> str:
+        """"skipped" or "success" (the `outcome` label of eplb_rebalances_total)."""
+        return "skipped" if self.skipped else "success"
+
+    def describe(self) -> str:
+        """One line for logs and consoles, e.g. `rebalance at step 50 (interval): balancedness
+        0.868 -> 0.984 (predicted), 20 experts moved (0.98 MB) in 0.044 s`."""
+        head = f"rebalance at step {self.step} ({self.trigger})"
+        before = float(np.mean(self.balancedness_before))
+        if self.skipped:
+            why = (f"nothing to gain (predicted gain {self.predicted_gain:+.4f})"
+                   if self.predicted_gain <= 0
+                   else f"predicted gain {self.predicted_gain:+.4f} < min gain {self.min_gain:.4f}")
+            return f"{head} skipped: {why}; balancedness {before:.4f}, nothing moved"
+        return (f"{head}: balancedness {before:.4f} -> {float(np.mean(self.balancedness_after)):.4f} "
+                f"(predicted), {self.experts_moved} experts moved ({self.bytes_moved / 1e6:.2f} MB) "
+                f"in {self.seconds:.3f} s"
+                + (f" over {self.steps_in_flight} steps" if self.steps_in_flight else ""))
+
     def summary(self) -> dict:
         """JSON-ready figures of this rebalance (no placement)."""
         return {
-            "step": self.step, "trigger": self.trigger,
+            "step": self.step, "trigger": self.trigger, "outcome": self.outcome,
+            "skipped": self.skipped,
             "balancedness_before": float(np.mean(self.balancedness_before)),
             "balancedness_after": float(np.mean(self.balancedness_after)),
+            "predicted_gain": self.predicted_gain, "min_gain": self.min_gain,
             "experts_moved": self.experts_moved, "local_copies": self.local_copies,
             "slots_changed": self.slots_changed, "bytes_moved": self.bytes_moved,
             "seconds_plan": self.seconds_plan, "seconds_transfer": self.seconds_transfer,
@@ -313,26 +341,44 @@ class EplbRuntime:
         return event
 
     def _start(self, trigger: str, request_ids: list[int] | None = None) -> RebalanceEvent | None:
-        """Begin a rebalance planned on the recorded window (rank 0 plans, then broadcasts)."""
-        t_start = time.perf_counter()
-        logical, gpu = self.recorder.window_load(self.group, decay=self.config.load_decay)  # [L, N], [L, M]
-        window_done = None
-        if self.device.type == "cuda" and self.config.async_rebalance:
-            window_done = torch.cuda.Event()
-            window_done.record(torch.cuda.current_stream(self.device))
-        info = {"request_ids": request_ids or [], "t_start": t_start}
+        """Begin a rebalance planned on the recorded window (rank 0 plans, then broadcasts).
+        A plan that gains less than `config.min_gain` moves nothing (a skipped rebalance)."""
+        info = {"request_ids": request_ids or [], "t_start": time.perf_counter(), "trigger": trigger}
+        read_window = self._window_reader(info)  # collective: the window's all-reduce
 
         def plan_fn() -> Placement:
             t0 = time.perf_counter()
+            read_window()
+            planned = self._plan_on_rank0_and_broadcast(info["load"])
+            # the same decision on every rank: same broadcast plan, same all-reduced load
+            move, info["predicted_gain"] = worth_moving(
+                self._realised(self.placement), self._realised(planned), info["load"],
+                self.config.min_gain)
+            info["skipped"] = not move
+            info["seconds_plan"] = time.perf_counter() - t0
+            return planned if move else self.placement
+
+        return self._begin(plan_fn, info, self.config.async_rebalance)
+
+    def _window_reader(self, info: dict) -> Callable[[], None]:
+        """All-reduce the recorded window now (a collective, on the step loop) and return
+        the function that fills `info` from it on the host: "load" [L, N] (what the planner
+        sees) and "before" [L] (balancedness measured from the per-GPU window). In
+        asynchronous mode that function runs in the rebalance thread, after the
+        all-reduce's kernels, so the step loop never waits for the copy."""
+        logical, gpu = self.recorder.window_load(self.group, decay=self.config.load_decay)  # [L, N], [L, M]
+        window_done = None
+        if self.device.type == "cuda":  # read() may run on another thread and stream
+            window_done = torch.cuda.Event()
+            window_done.record(torch.cuda.current_stream(self.device))
+
+        def read() -> None:
             if window_done is not None:
                 torch.cuda.current_stream(self.device).wait_event(window_done)
             info["load"] = logical.cpu().numpy().astype(np.float64)  # [L, N]
             info["before"] = balancedness_of_gpu_loads(gpu.cpu().numpy())  # [L]
-            new = self._plan_on_rank0_and_broadcast(info["load"])
-            info["seconds_plan"] = time.perf_counter() - t0
-            return new
 
-        return self._begin(plan_fn, trigger, info, self.config.async_rebalance)
+        return read
 
     def _plan_on_rank0_and_broadcast(self, load: np.ndarray) -> Placement:
         """Rank 0 plans, then one broadcast (CPU, the runtime's gloo plan group) gives every
@@ -380,9 +426,22 @@ class EplbRuntime:
                 old.num_layers, old.num_slots, old.num_logical_experts, old.num_gpus):
             raise ValueError(f"placement {new} does not fit the running model {old}")
         self.finish_rebalance()
-        info = {"request_ids": [], "before": before, "load": load, "seconds_plan": seconds_plan,
-                "t_start": time.perf_counter()}
-        return self._begin(lambda: new, trigger, info, asynchronous=not wait)
+        info = {"request_ids": [], "t_start": time.perf_counter(), "trigger": trigger,
+                "seconds_plan": seconds_plan}
+        if load is None:  # report on the recorded window, like a planned rebalance
+            read_window = self._window_reader(info)  # collective
+        else:
+            info["load"] = np.asarray(load, dtype=np.float64)  # [L, N]
+            info["before"] = before  # [L] or None: predicted on `load` (see _finished)
+            read_window = lambda: None  # noqa: E731
+
+        def plan_fn() -> Placement:
+            read_window()
+            info["predicted_gain"] = predicted_gain(self._realised(old), self._realised(new),
+                                                    info["load"])
+            return new
+
+        return self._begin(plan_fn, info, asynchronous=not wait)
 
     def close(self, timeout: float | None = None) -> None:
         """Stop background work before the process exits: abandon a rebalance in flight
@@ -417,8 +476,11 @@ class EplbRuntime:
         self.closed = True
 
     # ---- one placement change: begin, advance, end ------------------------------
-    def _begin(self, plan_fn: Callable[[], Placement], trigger: str, info: dict,
+    def _begin(self, plan_fn: Callable[[], Placement], info: dict,
                asynchronous: bool) -> RebalanceEvent | None:
+        """Start moving to `plan_fn()`'s placement. `info` (trigger, request ids, start
+        time) is the very dict `plan_fn` fills (load, before, predicted_gain, skipped,
+        seconds_plan): `_finished` reports from it."""
         # an aborted change's thread may still wait in its old group until that group's
         # timeout; it only reads weights and writes its own staging, so it is left to end
         self._stale = [c for c in self._stale if c.thread_alive]
@@ -432,7 +494,8 @@ class EplbRuntime:
             # not beside a stale thread's stream work, which may wait on a hung transfer
             stream=None if self._stale else self._side_stream,
             launch=self.config.exchange_launch)
-        self._change, self._change_info = change, dict(info, trigger=trigger)
+        info["asynchronous"] = asynchronous
+        self._change, self._change_info = change, info
         if asynchronous:
             change.start()
             change.charge_step_loop(time.perf_counter() - info["t_start"])
@@ -523,37 +586,36 @@ class EplbRuntime:
         change, info = self._change, self._change_info
         self._change = None
         old, new = self.placement, change.new
-        self.placement = new
-        if not self.replica_weights_supported and _has_uneven_shares(new):
-            self._warn_even_split(type(self.model).__name__)
-        self.recorder.on_placement_change()
+        skipped = bool(info.get("skipped", False))
+        if not skipped:
+            self.placement = new
+            if not self.replica_weights_supported and _has_uneven_shares(new):
+                self._warn_even_split(type(self.model).__name__)
+            self.recorder.on_placement_change()
         stats = transfer_stats(old.physical_to_logical, new.physical_to_logical, self.world_size)
-        load = info.get("load")
-        if load is None:
-            load = np.ones((old.num_layers, old.num_logical_experts))
-        before = info.get("before")
-        seconds_plan = info.get("seconds_plan") or 0.0
+        load = info["load"]  # [L, N] the window the plan was made on
+        before = info.get("before")  # [L] measured, or None (apply_placement given a load)
         event = RebalanceEvent(
             step=self.steps, trigger=info["trigger"],
             balancedness_before=before if before is not None else self._realised(old).balancedness(load),
             balancedness_after=self._realised(new).balancedness(load),
             experts_moved=stats.experts_moved, local_copies=stats.local_copies,
             slots_changed=stats.slots_changed, bytes_moved=stats.experts_moved * self.bytes_per_expert,
-            seconds_plan=seconds_plan,
+            seconds_plan=info.get("seconds_plan") or 0.0,
             seconds_transfer=max(0.0, change.t_end - change.t_start - change.seconds_plan),
-            seconds_commit=change.seconds_switch, placement=new, steps_in_flight=change.steps,
+            seconds_commit=change.seconds_switch, placement=new,
+            # step boundaries only an asynchronous change spans (run() drives it on one)
+            steps_in_flight=change.steps if info["asynchronous"] else 0,
             seconds_step_loop=change.seconds_step_loop,
             max_step_loop_seconds=change.max_step_loop,
             seconds_agree_wait=change.seconds_agree_wait,
+            predicted_gain=float(info.get("predicted_gain", 0.0)), skipped=skipped,
+            min_gain=self.config.min_gain,
         )
         self.events.append(event)
         del self.events[:-self.MAX_EVENTS]  # the newest MAX_EVENTS: bounded memory in long jobs
         if self.rank == 0:
-            log.info("rebalance at step %d (%s): balancedness %.4f -> %.4f, %d experts moved "
-                     "(%.1f MB) in %.3f s%s", event.step, event.trigger,
-                     event.balancedness_before.mean(), event.balancedness_after.mean(),
-                     event.experts_moved, event.bytes_moved / 1e6, event.seconds,
-                     f" over {event.steps_in_flight} steps" if event.steps_in_flight else "")
+            log.info("%s", event.describe())
         self.requests.finish(info["request_ids"], result=event.summary())
         for fn in self._listeners:
             fn(event)

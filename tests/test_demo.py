@@ -79,13 +79,46 @@ def test_demo_verify_json(tmp_path):
     assert d["args"]["steps"] == 24 and d["args"]["verify"] is True
 
     # results on stdout: one line per rebalance with its verification, then the summary
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("step ") and " rebalance:" in ln]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("step ") and " rebalance" in ln]
     assert len(lines) == 3, r.stdout
+    # the figures of each line, from the per-GPU loads the JSON records step by step: the
+    # measured balancedness of the window (the 8 steps up to the rebalance), and a line
+    # that says so when nothing moved
+    for (s, e), line in zip(events, lines):
+        gpu = np.sum([records[i]["gpu_load"] for i in range(s - 7, s + 1)], axis=0)  # [L, M]
+        before = float(np.mean(gpu.mean(1) / gpu.max(1)))
+        assert abs(np.mean(e["balancedness_before"]) - before) < 1e-5
+        assert line.startswith(f"step {s + 1:5d} rebalance")
+        if e["skipped"]:
+            assert f"balancedness {before:.4f}, nothing moved" in line and e["experts_moved"] == 0
+        else:
+            after = np.mean(e["balancedness_after_predicted"])
+            assert f"balancedness {before:.3f} -> {after:.3f} (predicted)" in line, line
+            assert after > before and " over " not in line
     assert all("verify" in ln and ln.rstrip().endswith("OK") for ln in lines), lines
     assert "2 ranks on cpu" in r.stdout
     assert "24 steps in" in r.stdout and "3 rebalances" in r.stdout
     assert f"{moved} experts moved" in r.stdout
     assert f"wrote {out}" in r.stdout
+
+
+def test_demo_says_when_a_rebalance_is_skipped(tmp_path):
+    out = tmp_path / "skip.json"
+    r = run(EPLB + ["demo", "--nproc", "2", "--steps", "16", "--rebalance-every", "8",
+                    "--min-gain", "0.9", "--json", str(out), *SMALL])
+    assert r.returncode == 0, r.stderr
+    records = check_records(out, steps=16, layers=2)
+    events = [(rec["step"], rec["rebalance"]) for rec in records if rec["rebalance"]]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("step ") and " rebalance" in ln]
+    assert len(events) == len(lines) == 2, r.stdout
+    for (s, e), line in zip(events, lines):
+        assert e["skipped"] and e["experts_moved"] == 0
+        assert 0 < e["predicted_gain"] < 0.9
+        gpu = np.sum([records[i]["gpu_load"] for i in range(s - 7, s + 1)], axis=0)  # [L, M]
+        before = float(np.mean(gpu.mean(1) / gpu.max(1)))
+        assert line == (f"step {s + 1:5d} rebalance skipped: predicted gain {e['predicted_gain']:+.4f}"
+                        f" < min gain 0.9000; balancedness {before:.4f}, nothing moved"), line
+    assert "2 rebalances (2 skipped), 0 experts moved, 0.00 MB" in r.stdout
 
 
 def test_demo_under_plain_torchrun(tmp_path):
