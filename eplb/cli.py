@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import sys
+import warnings
 from pathlib import Path
 
 
@@ -288,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # torch.load(weights_only=True) warns in several lines about a file's pickle protocol
+    # before refusing it; every loader reports a refused file in one line of its own
+    warnings.filterwarnings("ignore", message=r"Detected pickle protocol", category=UserWarning)
     parser = build_parser()
     a = parser.parse_args(argv)
     a.argv = argv

@@ -8,6 +8,7 @@ bare tensor). Every problem is one `ValueError` line that names the source.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -115,13 +116,52 @@ def _all_numbers(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def torch_load_weights_only(path: str | Path, what: str = ".pt") -> Any:
+    """`torch.load(path, weights_only=True)` on the CPU, quietly: the warnings torch emits
+    while unpickling (e.g. its multi-line "Detected pickle protocol" text) are captured, and
+    a file it refuses or cannot read raises one `ValueError` line that names the file and
+    folds in the reason, e.g. `x.pt: not a safely loadable .pt file (UnpicklingError:
+    refused by weights_only=True: needs the global os.system)`."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # unsafe pickles, truncated zip archives, random bytes
+            reason = _torch_load_reason(e, [str(w.message) for w in caught])
+            raise ValueError(f"{path}: not a safely loadable {what} file ({reason})") from None
+
+
+def _torch_load_reason(e: Exception, warned: list[str]) -> str:
+    """One short line from torch.load's (long, multi-line) error and captured warnings."""
+    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(e)).split())
+    name = e.__class__.__name__
+    found = (re.search(r"unsupported global:? (?:GLOBAL )?(\S+)", text, re.I)
+             or re.search(r"unsupported operand (\d+)", text, re.I))
+    if found and found.re.pattern.startswith("unsupported global"):
+        reason = f"{name}: refused by weights_only=True: needs the global {found.group(1)}"
+    elif found:
+        reason = f"{name}: refused by weights_only=True: unsupported pickle opcode {found.group(1)}"
+    elif "weights only load failed" in text.lower():
+        reason = f"{name}: refused by weights_only=True"
+    else:
+        first = re.split(r"(?<=[.;?!])\s", text, maxsplit=1)[0].strip(" .;")
+        reason = f"{name}: {first[:120]}" if first else name
+    for w in warned:
+        m = re.search(r"pickle protocol (\d+)", w)
+        if m:
+            reason += f"; a plain pickle of protocol {m.group(1)}, not a torch.save file"
+            break
+    return reason
+
+
 def _read_pt(path: Path) -> Any:
     import torch
 
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # unsafe pickles, truncated zip archives, random bytes
-        raise ValueError(f"{path}: not a safely loadable .pt file ({e.__class__.__name__})") from None
+    obj = torch_load_weights_only(path)
     if isinstance(obj, dict):
         if "logical_count" not in obj:
             raise ValueError(f"{path}: .pt dict lacks 'logical_count' (keys: {sorted(map(str, obj))})")

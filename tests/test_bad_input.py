@@ -282,3 +282,95 @@ def test_huge_values_plan_validly():
     for policy in ("default", "deepseek", "balanced"):
         p = plan(load, 2, 6, policy=policy)
         assert (p.replica_count() >= 1).all()
+
+
+# ---- a refused .pt file: one line on stderr, no third-party warning text (real processes) ----
+class _RunsCode:
+    """Unpickled with a full pickle this would run a shell command; weights_only must refuse."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _bad_pt_files(tmp_path):
+    """name -> (path, what the one line must say): a malicious plain pickle (protocol 5, the
+    kind that makes torch warn in several lines before refusing it), the same inside a
+    torch.save archive, and a corrupted (truncated) torch.save archive."""
+    import pickle
+
+    marker = tmp_path / "PWNED"
+    evil = tmp_path / "evil.pt"
+    evil.write_bytes(pickle.dumps({"logical_count": _RunsCode(marker)}, protocol=5))
+    evil_zip = tmp_path / "evil_zip.pt"
+    torch.save(_RunsCode(marker), evil_zip)
+    good = tmp_path / "good.pt"
+    torch.save({"logical_count": torch.ones(2, 8)}, good)
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    return marker, {
+        "malicious_pickle": (evil, "UnpicklingError: refused by weights_only=True: unsupported "
+                                   "pickle opcode 149; a plain pickle of protocol 5, not a "
+                                   "torch.save file"),
+        "malicious_torch_save": (evil_zip, "UnpicklingError: refused by weights_only=True: needs "
+                                           "the global posix.system"),
+        "corrupted": (corrupt, "RuntimeError: PytorchStreamReader failed reading zip archive"),
+    }
+
+
+def _eplb(args, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env.pop("PYTHONWARNINGS", None)
+    return subprocess.run([sys.executable, "-m", "eplb"] + args, capture_output=True, text=True,
+                          env=env, timeout=120, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["malicious_pickle", "malicious_torch_save", "corrupted"])
+def test_refused_pt_file_is_one_line_on_stderr(tmp_path, kind):
+    marker, bad = _bad_pt_files(tmp_path)
+    path, reason = bad[kind]
+    r = _eplb(["plan", str(path), "--num-gpus", "2", "--num-slots", "8", "--out",
+               str(tmp_path / "o.json")], tmp_path)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1, r.stderr  # exactly one line: ours
+    assert r.stderr.startswith(f"eplb plan: error: {path}: not a safely loadable .pt file ({reason}")
+    assert r.stderr.endswith(")\n") and "warn" not in r.stderr.lower(), r.stderr
+    assert not marker.exists()  # and nothing ran
+
+
+def test_refused_previous_placement_is_one_line_on_stderr(tmp_path):
+    """`--previous` is read by Placement.load (its own torch.load): also one line."""
+    marker, bad = _bad_pt_files(tmp_path)
+    load = tmp_path / "load.npy"
+    np.save(load, np.ones((2, 8)))
+    r = _eplb(["plan", str(load), "--num-gpus", "2", "--num-slots", "8", "--out",
+               str(tmp_path / "o.json"), "--previous", str(bad["malicious_pickle"][0])], tmp_path)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("eplb plan: error: "), r.stderr
+    assert "evil.pt" in r.stderr and "Warning" not in r.stderr
+    assert not marker.exists()
+
+
+def test_read_load_refuses_quietly(tmp_path):
+    import warnings
+
+    marker, bad = _bad_pt_files(tmp_path)
+    for path, reason in bad.values():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(ValueError) as e:
+                read_load(path)
+        assert caught == [], [str(w.message) for w in caught]
+        assert "\n" not in str(e.value) and reason in str(e.value)
+    assert not marker.exists()
+    assert read_load(tmp_path / "good.pt").tolist() == np.ones((2, 8)).tolist()
