@@ -1,22 +1,29 @@
-"""Prometheus metrics of an EplbRuntime.
+"""Prometheus metrics of an EplbRuntime, and the job's recorded load for GET /load.
 
     metrics = EplbMetrics(runtime, interval=10)      # on EVERY rank, before the first step()
     if runtime.rank == 0:
         EplbServer(runtime, metrics, port=9400).start()   # eplb.server: one scrape target per job
 
 Design: rank 0 aggregates. Every rank attaches an `EplbMetrics`. Its step hook adds this
-rank's per-GPU counts of the step (`recorder.last_gpu_load()`, `[L, M]`) into a small
-accumulator on the device: one tensor op, no host synchronisation. Every `interval` steps
-every rank all-reduces that accumulator once (`[L, M]` int64, on the runtime's group), and
-rank 0 alone copies it to the host and sets the load gauges. So the job exposes one
-consistent view of all GPUs from one process, at the cost of one small all-reduce per
-interval and one host sync per interval on rank 0 only. Because the hook is a collective,
-every rank of the group must attach with the same `interval`. The accumulator restarts at
-every rebalance, so the load gauges describe the placement in force.
+rank's per-GPU counts of the step (`recorder.last_gpu_load()`, `[L, M]`) and, with
+`export_load` (the default), its logical counts of the step (`[L, N]`) into small
+accumulators on the device: tensor ops, no host synchronisation. Every `interval` steps
+every rank all-reduces ONE buffer on the runtime's group: the per-GPU accumulator `[L, M]`,
+and with `export_load` also the logical accumulator `[L, N]` and this rank's part of the
+planner's window (`[L, N]` logical, weighted by `load_decay` like the planner's, and `[L, M]`
+per GPU since the placement in force began), i.e. `[L, 2M + 2N]` int64 (float64 when
+`load_decay < 1`; counts stay exact below 2**53). Rank 0 alone copies it to the host, sets
+the load gauges and keeps the load snapshot that `GET /load` serves (the HTTP thread only
+reads that host copy: it never runs a collective). So the job exposes one consistent view
+of all GPUs from one process, at the cost of one all-reduce per interval, the window sums
+(`window_size x L x (N + M)` elements read per interval on every rank) and one host sync per
+interval on rank 0 only. Because the hook is a collective, every rank of the group must
+attach with the same `interval` and `export_load`. The per-GPU accumulator restarts at every
+rebalance that changed the placement, so the load gauges describe the placement in force.
 
 Rebalance figures come from `runtime.add_listener` (events are identical on every rank);
 failures come from `runtime.add_failure_listener` (`track()`, installed by default).
-Step count, window fill and placement age are read at scrape time.
+Step count, window fill, placement age and the per-layer GPU load are read at scrape time.
 
 Metric names (stable; the Grafana dashboard and alerting rules depend on them):
 
@@ -24,13 +31,19 @@ Metric names (stable; the Grafana dashboard and alerting rules depend on them):
     eplb_balancedness_overall_ratio               mean of the above over layers
     eplb_gpu_load_tokens{gpu}                     token-expert assignments per GPU (all
                                                   layers) per step, mean over last interval
+    eplb_gpu_layer_load_tokens{layer,gpu}         opt-in (per_layer_gpu_load=True): the same
+                                                  per layer, L x M series
     eplb_rebalances_total{trigger,outcome}        trigger interval|request|api|initial
                                                   (HTTP requests count as "request"),
-                                                  outcome success|failure
+                                                  outcome success|failure|skipped (skipped:
+                                                  the predicted gain was below min_gain, no
+                                                  weights moved)
     eplb_rebalance_duration_seconds{phase}        histogram, phase plan|transfer|commit|total
+                                                  (a skipped rebalance observes plan only)
     eplb_experts_moved_total                      remote expert copies, all ranks
     eplb_bytes_moved_total                        bytes sent between ranks, all ranks
     eplb_rebalance_balancedness_ratio{when}       before|after (predicted) of the last rebalance
+                                                  (skipped ones included)
     eplb_expert_replicas{layer,expert}            opt-in (per_expert_replicas=True): L x N series
     eplb_load_window_fill_ratio                   steps in the planner's window / window size
     eplb_placement_age_seconds                    seconds since the placement last changed
@@ -57,7 +70,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("eplb.metrics")
 
 TRIGGERS = ("interval", "request", "api", "initial")
-OUTCOMES = ("success", "failure")
+OUTCOMES = ("success", "failure", "skipped")
 PHASES = ("plan", "transfer", "commit", "total")
 WHEN = ("before", "after")
 # rebalances take from about a millisecond (small CPU jobs) to minutes (large models)
@@ -72,19 +85,26 @@ class EplbMetrics:
     runtimes or tests never collide); pass `prometheus_client.REGISTRY` to expose them next
     to your own metrics. `interval`: steps between load updates (and all-reduces), the same
     on every rank. `per_expert_replicas`: also export `eplb_expert_replicas` (L x N series).
-    `track_failures`: count failed rebalances (see `track()`).
+    `per_layer_gpu_load`: also export `eplb_gpu_layer_load_tokens{layer,gpu}` (L x M series,
+    e.g. 61 x 256 = 15,616; set at scrape time, no cost on the step loop). `export_load`:
+    keep the snapshot of the recorded load that `GET /load` serves (`load_snapshot()`);
+    the same on every rank. `track_failures`: count failed rebalances (see `track()`).
     """
 
     def __init__(self, runtime: "EplbRuntime", registry: CollectorRegistry | None = None,
-                 interval: int = 10, per_expert_replicas: bool = False, track_failures: bool = True):
+                 interval: int = 10, per_expert_replicas: bool = False, track_failures: bool = True,
+                 per_layer_gpu_load: bool = False, export_load: bool = True):
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ValueError(f"interval must be an int >= 1 (steps), got {interval!r}")
         self.runtime = runtime
         self.registry = CollectorRegistry() if registry is None else registry
         self.interval = interval
         self.per_expert_replicas = per_expert_replicas
+        self.per_layer_gpu_load = bool(per_layer_gpu_load)
+        self.export_load = bool(export_load)
         placement = runtime.placement
         L, M = placement.num_layers, runtime.world_size
+        N = placement.num_logical_experts
         r = self.registry
 
         self.balancedness = Gauge(
@@ -123,7 +143,17 @@ class EplbMetrics:
         # load accumulation: this rank's per-GPU counts since the last update, on the device
         self._acc = torch.zeros(L, M, dtype=torch.int64, device=runtime.device)  # [L, M]
         self._acc_steps = 0
+        # export_load: this rank's logical counts since the last update (never restarted:
+        # logical counts do not depend on the placement), on the device
+        self._acc_logical = torch.zeros(L, N, dtype=torch.int64, device=runtime.device) \
+            if self.export_load else None  # [L, N]
+        self._logical_steps = 0
+        # rank 0, host: logical counts of every step since attaching, and the /load snapshot
+        self._total_logical = np.zeros((L, N), dtype=np.int64)  # [L, N]
+        self._total_steps = 0
+        self._snapshot: dict | None = None  # replaced whole, never mutated: safe to read from any thread
         self._overall: float | None = None  # exported once the first interval is measured
+        self._layer_gpu: np.ndarray | None = None  # [L, M] per step, last interval (opt-in metric)
         self._placement_changed_at = time.monotonic()
         self._tracked = False
         self._set_replicas(placement)
@@ -138,26 +168,45 @@ class EplbMetrics:
     def _on_step(self, runtime: "EplbRuntime") -> None:
         self._acc.add_(runtime.recorder.last_gpu_load())  # device op, no host sync
         self._acc_steps += 1
+        if self._acc_logical is not None:
+            rec = runtime.recorder  # this step's logical counts [L, N]: the newest ring entry
+            self._acc_logical.add_(rec.logical_ring[(rec.steps_recorded - 1) % rec.window_size])
+            self._logical_steps += 1
         if runtime.steps % self.interval == 0:
             self.update()
 
     def update(self) -> None:
-        """All-reduce the accumulated per-GPU load and, on rank 0, set the load gauges.
-        Collective: called by the step hook on every rank at the same steps."""
-        n = self._acc_steps
-        if n == 0:  # identical on every rank: all skip together
+        """All-reduce the accumulated load (and, with `export_load`, this rank's part of the
+        planner's window) in one buffer; on rank 0 set the load gauges and keep the /load
+        snapshot. Collective: called by the step hook on every rank at the same steps."""
+        n, n_logical = self._acc_steps, self._logical_steps
+        if n == 0 and n_logical == 0:  # identical on every rank: all skip together
             return
         rt = self.runtime
+        decay = rt.config.load_decay
+        parts = [self._acc]  # [L, M]
+        if self._acc_logical is not None:
+            logical, gpu = _local_window(rt.recorder, decay)  # [L, N], [L, M]
+            parts += [self._acc_logical, logical, gpu]
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.int64
+        buf = torch.cat([p.to(dtype) for p in parts], dim=1) if len(parts) > 1 else self._acc
         if rt.world_size > 1 and dist.is_initialized():
-            dist.all_reduce(self._acc, group=rt.group)
+            dist.all_reduce(buf, group=rt.group)
         if rt.rank == 0:
-            gpu = self._acc.cpu().numpy()  # [L, M], the one host sync, rank 0 only
+            host = buf.cpu().numpy()  # [L, 2M + 2N] (or [L, M]): the one host sync, rank 0 only
+            M = self._acc.shape[1]
             try:
-                self._set_load(gpu, n)
+                if n:
+                    self._set_load(_exact_int(host[:, :M]), n)
+                if self._acc_logical is not None:
+                    self._keep_snapshot(host[:, M:], n_logical, decay)
             except Exception:  # metrics must never break the training/serving loop
                 log.exception("eplb metrics: could not update the load gauges")
         self._acc.zero_()
         self._acc_steps = 0
+        if self._acc_logical is not None:
+            self._acc_logical.zero_()
+            self._logical_steps = 0
 
     def _set_load(self, gpu: np.ndarray, steps: int) -> None:  # gpu [L, M] summed over `steps`
         bal = balancedness_of_gpu_loads(gpu)  # [L]
@@ -167,26 +216,68 @@ class EplbMetrics:
         per_step = gpu.sum(0) / steps  # [M]
         for g, tokens in enumerate(per_step):
             self.gpu_load.labels(str(g)).set(float(tokens))
+        if self.per_layer_gpu_load:  # exported at scrape time (L x M series)
+            self._layer_gpu = gpu / steps  # [L, M]
+
+    def _keep_snapshot(self, host: np.ndarray, n_logical: int, decay: float) -> None:
+        """Rank 0: fold the interval's logical counts into the totals and replace the /load
+        snapshot. `host` [L, 2N + M]: interval logical, window logical, window per-GPU."""
+        rt, rec = self.runtime, self.runtime.recorder
+        N = self._total_logical.shape[1]
+        self._total_logical += _exact_int(host[:, :N])
+        self._total_steps += n_logical
+        window = host[:, N:2 * N]  # [L, N] as the planner sees it (weighted when decay < 1)
+        L, M = window.shape[0], rt.world_size
+        self._snapshot = {
+            "logical_count": _exact_int(window) if decay == 1 else window.copy(),
+            "gpu_load": _exact_int(host[:, 2 * N:]),  # [L, M]
+            "steps": rec.fill, "gpu_steps": min(rec.gpu_steps, rec.window_size),
+            "window_size": rec.window_size, "load_decay": float(decay),
+            "step": rt.steps, "time": time.time(),
+            "layers": L, "experts": N, "gpus": M, "interval": self.interval,
+            "total_logical_count": self._total_logical.copy(), "total_steps": self._total_steps,
+        }
+
+    def load_snapshot(self) -> dict | None:
+        """Rank 0: the recorded load as of the last metrics update (what `GET /load`
+        serves), or None before the first update, on other ranks, or without `export_load`.
+        Keys: `logical_count` [L, N] (the planner's window: summed over the last `steps`
+        steps, weighted by `load_decay` when it is below 1), `gpu_load` [L, M] (per-GPU load
+        of the window's last `gpu_steps` steps, those under the placement in force),
+        `steps`, `gpu_steps`, `window_size`, `load_decay`, `step` (runtime step the snapshot
+        was taken at), `time` (unix seconds), `layers`, `experts`, `gpus`, `interval`,
+        `total_logical_count` [L, N] (plain counts of every step since the metrics were
+        attached) and `total_steps`. Arrays are numpy; the dict is never mutated."""
+        return self._snapshot
 
     def _on_event(self, event: "RebalanceEvent") -> None:
+        skipped = bool(getattr(event, "skipped", False))
         try:
             self._record_event(event)
-            if event.slots_changed:
+            if event.slots_changed and not skipped:
                 self._placement_changed_at = time.monotonic()
         except Exception:
             log.exception("eplb metrics: could not record a rebalance")
+        if skipped:  # nothing moved: the load counted so far describes the placement in force
+            return
         # load counted so far was routed under the old placement: start over (every rank
         # receives the same events, so the accumulators stay in step)
         self._acc.zero_()
         self._acc_steps = 0
 
     def _record_event(self, event: "RebalanceEvent") -> None:
-        self.rebalances.labels(event.trigger, "success").inc()
-        for phase, seconds in (("plan", event.seconds_plan), ("transfer", event.seconds_transfer),
-                               ("commit", event.seconds_commit), ("total", event.seconds)):
+        # skipped: the planner's predicted gain was below the config's min_gain, so no
+        # weights moved; it has a plan phase but no transfer or commit (nor a total)
+        skipped = bool(getattr(event, "skipped", False))
+        self.rebalances.labels(event.trigger, "skipped" if skipped else "success").inc()
+        phases = (("plan", event.seconds_plan),) if skipped else (
+            ("plan", event.seconds_plan), ("transfer", event.seconds_transfer),
+            ("commit", event.seconds_commit), ("total", event.seconds))
+        for phase, seconds in phases:
             self.duration.labels(phase).observe(max(0.0, float(seconds)))
-        self.experts_moved.inc(max(0, int(event.experts_moved)))
-        self.bytes_moved.inc(max(0, int(event.bytes_moved)))
+        if not skipped:
+            self.experts_moved.inc(max(0, int(event.experts_moved)))
+            self.bytes_moved.inc(max(0, int(event.bytes_moved)))
         self.rebalance_balancedness.labels("before").set(float(np.mean(event.balancedness_before)))
         self.rebalance_balancedness.labels("after").set(float(np.mean(event.balancedness_after)))
         self._set_replicas(event.placement)
@@ -235,10 +326,13 @@ class _ScrapeTimeCollector:
         self.m = metrics
 
     def describe(self):
-        return [CounterMetricFamily("eplb_steps", "Runtime steps (forward passes) so far."),
-                GaugeMetricFamily("eplb_load_window_fill_ratio", ""),
-                GaugeMetricFamily("eplb_placement_age_seconds", ""),
-                GaugeMetricFamily("eplb_balancedness_overall_ratio", "")]
+        out = [CounterMetricFamily("eplb_steps", "Runtime steps (forward passes) so far."),
+               GaugeMetricFamily("eplb_load_window_fill_ratio", ""),
+               GaugeMetricFamily("eplb_placement_age_seconds", ""),
+               GaugeMetricFamily("eplb_balancedness_overall_ratio", "")]
+        if self.m.per_layer_gpu_load:
+            out.append(GaugeMetricFamily("eplb_gpu_layer_load_tokens", "", labels=["layer", "gpu"]))
+        return out
 
     def collect(self):
         rt = self.m.runtime
@@ -255,3 +349,38 @@ class _ScrapeTimeCollector:
         if overall is not None:
             yield GaugeMetricFamily("eplb_balancedness_overall_ratio", "eplb_balancedness_ratio "
                                     "averaged over layers.", value=overall)
+        per_layer = self.m._layer_gpu  # [L, M] per step, one read (replaced whole at updates)
+        if self.m.per_layer_gpu_load and per_layer is not None:
+            fam = GaugeMetricFamily("eplb_gpu_layer_load_tokens", "Token-expert assignments "
+                                    "routed to a GPU in one MoE layer per step, averaged over the "
+                                    "last metrics interval (opt-in: L x M series).",
+                                    labels=["layer", "gpu"])
+            for layer, row in enumerate(per_layer.tolist()):
+                for g, tokens in enumerate(row):
+                    fam.add_metric([str(layer), str(g)], tokens)
+            yield fam
+
+
+def _local_window(rec, decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of `LoadRecorder.window_load(decay=...)`: the same sums, on the
+    device, before its all-reduce (here folded into the metrics' one all-reduce).
+    Logical `[L, N]` (int64, or float64 weighted decay**age when decay < 1) and per-GPU
+    `[L, M]` int64 over the steps since the last placement change (at most the window)."""
+    W = rec.window_size
+    if decay == 1:
+        logical = rec.logical_ring.sum(0)  # [L, N]
+    else:
+        newest = (rec.steps_recorded - 1) % W
+        age = (newest - torch.arange(W, device=rec.logical_ring.device)) % W  # [W]
+        weight = torch.pow(torch.full((W,), float(decay), dtype=torch.float64,
+                                      device=age.device), age)  # [W]
+        logical = torch.tensordot(weight, rec.logical_ring.to(torch.float64), dims=1)  # [L, N]
+    n_gpu = min(rec.gpu_steps, W)
+    idx = (rec.steps_recorded - 1 - torch.arange(n_gpu, device=rec.gpu_ring.device)) % W  # [n]
+    gpu = rec.gpu_ring.index_select(0, idx).sum(0)  # [L, M]
+    return logical, gpu
+
+
+def _exact_int(a: np.ndarray) -> np.ndarray:
+    """Counts summed in int64, or in float64 (exact below 2**53), as int64."""
+    return a.astype(np.int64) if a.dtype != np.float64 else np.rint(a).astype(np.int64)

@@ -21,7 +21,8 @@ from eplb.runtime import EplbRuntime, RebalanceError
 
 L, N, R = 2, 8, 4  # layers, logical experts, redundant slots: P = 12
 
-# name -> (type, label names); `eplb_expert_replicas` only with per_expert_replicas=True
+# name -> (type, label names); `eplb_expert_replicas` only with per_expert_replicas=True,
+# `eplb_gpu_layer_load_tokens` only with per_layer_gpu_load=True
 EXPECTED = {
     "eplb_balancedness_ratio": ("gauge", {"layer"}),
     "eplb_balancedness_overall_ratio": ("gauge", set()),
@@ -32,6 +33,7 @@ EXPECTED = {
     "eplb_bytes_moved_total": ("counter", set()),
     "eplb_rebalance_balancedness_ratio": ("gauge", {"when"}),
     "eplb_expert_replicas": ("gauge", {"layer", "expert"}),
+    "eplb_gpu_layer_load_tokens": ("gauge", {"layer", "gpu"}),
     "eplb_load_window_fill_ratio": ("gauge", set()),
     "eplb_placement_age_seconds": ("gauge", set()),
     "eplb_steps_total": ("counter", set()),
@@ -44,7 +46,9 @@ def make_runtime(group=None, device="cpu", **config) -> EplbRuntime:
 
     args = MoEArgs(hidden_size=16, intermediate_size=8, num_layers=L, num_experts=N, top_k=2,
                    num_redundant_experts=R)
-    cfg = dict(num_redundant_experts=R, window_size=4, rebalance_interval=0, control_interval=0)
+    # min_gain 0: these tests need rebalances that move (on one GPU every plan gains 0)
+    cfg = dict(num_redundant_experts=R, window_size=4, rebalance_interval=0, control_interval=0,
+               min_gain=0.0)
     cfg.update(config)
     return EplbRuntime(MoEModel(args, group=group, device=device), EplbConfig(**cfg), group=group)
 
@@ -89,9 +93,10 @@ def break_rebalances(monkeypatch) -> None:
 
 def test_names_types_and_labels_exactly():
     rt = make_runtime()
-    m = EplbMetrics(rt, interval=1, per_expert_replicas=True)
+    m = EplbMetrics(rt, interval=1, per_expert_replicas=True, per_layer_gpu_load=True)
     step_with(rt, skewed_pass())
     rt.rebalance()
+    step_with(rt, skewed_pass())
     types, samples = exposed(m)
     for name, (kind, labels) in EXPECTED.items():
         assert types.get(name) == kind, (name, types.get(name))
@@ -99,7 +104,7 @@ def test_names_types_and_labels_exactly():
         assert sample in samples, name
         assert all(set(lbl) - {"le"} == labels for lbl in samples[sample]), (name, samples[sample][:2])
     assert {lbl["trigger"] for lbl in samples["eplb_rebalances_total"]} >= {"interval", "request", "api", "initial"}
-    assert {lbl["outcome"] for lbl in samples["eplb_rebalances_total"]} == {"success", "failure"}
+    assert {lbl["outcome"] for lbl in samples["eplb_rebalances_total"]} == {"success", "failure", "skipped"}
     assert {lbl["phase"] for lbl in samples["eplb_rebalance_duration_seconds_count"]} == {
         "plan", "transfer", "commit", "total"}
     assert {lbl["when"] for lbl in samples["eplb_rebalance_balancedness_ratio"]} == {"before", "after"}
@@ -107,6 +112,14 @@ def test_names_types_and_labels_exactly():
     assert info == {"version": "0.1.0", "policy": "default", "num_gpus": "1", "num_nodes": "1",
                     "num_slots": "12", "num_layers": "2"}
     assert not EplbMetrics(make_runtime()).value("eplb_expert_replicas", layer="0", expert="0")
+    assert len(samples["eplb_gpu_layer_load_tokens"]) == L * 1  # L x M series, M = 1 here
+    # off by default: absent from the exposition (not 0), even after load was measured
+    rt2 = make_runtime()
+    m2 = EplbMetrics(rt2, interval=1)
+    step_with(rt2, skewed_pass())
+    types2, samples2 = exposed(m2)
+    assert "eplb_gpu_layer_load_tokens" not in types2 and "eplb_gpu_layer_load_tokens" not in samples2
+    assert m2.value("eplb_gpu_load_tokens", gpu="0") is not None
     with pytest.raises(ValueError, match="interval"):
         EplbMetrics(rt, interval=0)
 
@@ -165,9 +178,15 @@ def test_single_process_gauges_counters_and_failures():
         assert v("eplb_rebalances_total", trigger="api", outcome="failure") == 2
     rid = rt.request_rebalance("http")
     step_with(rt, skewed_pass())
-    assert step_with(rt, skewed_pass()) is not None
+    event = step_with(rt, skewed_pass())
+    assert event is not None
     assert rt.rebalance_status(rid)["state"] == "done"
-    assert v("eplb_rebalances_total", trigger="request", outcome="success") == 1
+    # the load has not changed since the api rebalance: its plan may equal the placement in
+    # force, which is a skipped rebalance (nothing to gain) even with min_gain 0
+    outcome = "skipped" if event.skipped else "success"
+    other = "success" if event.skipped else "skipped"
+    assert v("eplb_rebalances_total", trigger="request", outcome=outcome) == 1
+    assert v("eplb_rebalances_total", trigger="request", outcome=other) == 0
     assert v("eplb_rebalances_total", trigger="request", outcome="failure") == 1
     assert v("eplb_experts_moved_total") == sum(e.experts_moved for e in rt.events)
     assert v("eplb_steps_total") == rt.steps == 10
@@ -232,7 +251,7 @@ def _two_rank_body(rank, world):
     # deepseek replans from scratch, so this load surely moves experts (the move-aware
     # default could rightly keep the placement: experts 0-3 already have a replica per GPU)
     rt = make_runtime(dist.group.WORLD, device, rebalance_interval=4, window_size=4, policy="deepseek")
-    m = EplbMetrics(rt, interval=4)
+    m = EplbMetrics(rt, interval=4, per_layer_gpu_load=True)
     S = (N + R) // world
 
     def gpu0_hot(scale, r):  # [L, P]: slots 0..3 (all on GPU 0) hot, rank r counts (r+1)x
@@ -257,9 +276,14 @@ def _two_rank_body(rank, world):
         assert m.value("eplb_balancedness_overall_ratio") == pytest.approx(bal.mean())
         for g in range(world):
             assert m.value("eplb_gpu_load_tokens", gpu=str(g)) == pytest.approx(gpu[:, g].sum() / 4)
+            for layer in range(L):  # the opt-in per-layer series: [L, M] per step
+                assert m.value("eplb_gpu_layer_load_tokens", layer=str(layer), gpu=str(g)) == \
+                    pytest.approx(gpu[layer, g] / 4)
+        assert len(exposed(m)[1]["eplb_gpu_layer_load_tokens"]) == L * world
     else:  # only rank 0 holds the aggregated view
         assert m.value("eplb_balancedness_overall_ratio") is None
         assert m.value("eplb_gpu_load_tokens", gpu="0") is None
+        assert m.value("eplb_gpu_layer_load_tokens", layer="0", gpu="0") is None
     # events are the same on every rank, so are the counters
     assert m.value("eplb_rebalances_total", trigger="interval", outcome="success") == 1
     assert m.value("eplb_experts_moved_total") == rt.events[0].experts_moved > 0
@@ -270,6 +294,11 @@ def _two_rank_body(rank, world):
         assert m.value("eplb_balancedness_overall_ratio") == pytest.approx(
             balancedness_of_gpu_loads(gpu).mean())
         assert m.value("eplb_gpu_load_tokens", gpu="1") == pytest.approx(gpu[:, 1].sum() / 4)
+        per_layer = np.array([[m.value("eplb_gpu_layer_load_tokens", layer=str(layer), gpu=str(g))
+                               for g in range(world)] for layer in range(L)])
+        assert per_layer == pytest.approx(gpu / 4)
+        assert per_layer.sum(0) == pytest.approx([m.value("eplb_gpu_load_tokens", gpu=str(g))
+                                                  for g in range(world)])
     with pytest.MonkeyPatch.context() as mp, pytest.raises(
             RebalanceError, match="transfer failed|planning failed on rank 0"):
         break_rebalances(mp)
@@ -283,3 +312,70 @@ def _two_rank_body(rank, world):
 
 def test_two_ranks_rank0_aggregates():
     run_distributed(_two_rank_body, 2)
+
+
+# ---- skipped rebalances ----------------------------------------------------------------
+def _skipped_event(rt, **kw):
+    from eplb.runtime import RebalanceEvent
+
+    d = dict(step=rt.steps, trigger="interval", balancedness_before=np.array([0.8, 0.9]),
+             balancedness_after=np.array([0.81, 0.905]), experts_moved=0, local_copies=0,
+             slots_changed=0, bytes_moved=0, seconds_plan=0.25, seconds_transfer=0.5,
+             seconds_commit=0.125, placement=rt.placement)
+    d.update(kw)
+    event = RebalanceEvent(**d)
+    event.skipped = True  # set after construction: works whether or not the field exists yet
+    return event
+
+
+def test_skipped_event_counts_as_skipped_with_plan_duration_only():
+    rt = make_runtime()
+    m = EplbMetrics(rt, interval=3)
+    v = m.value
+    step_with(rt, skewed_pass())
+    age = v("eplb_placement_age_seconds")
+    m._on_event(_skipped_event(rt))  # what runtime listeners receive
+    assert v("eplb_rebalances_total", trigger="interval", outcome="skipped") == 1
+    assert v("eplb_rebalances_total", trigger="interval", outcome="success") == 0
+    assert v("eplb_rebalance_duration_seconds_count", phase="plan") == 1
+    assert v("eplb_rebalance_duration_seconds_sum", phase="plan") == 0.25
+    for phase in ("transfer", "commit", "total"):
+        assert v("eplb_rebalance_duration_seconds_count", phase=phase) == 0, phase
+    assert v("eplb_rebalance_balancedness_ratio", when="before") == pytest.approx(0.85)
+    assert v("eplb_rebalance_balancedness_ratio", when="after") == pytest.approx(0.8575)
+    assert v("eplb_experts_moved_total") == 0 and v("eplb_bytes_moved_total") == 0
+    assert v("eplb_placement_age_seconds") >= age  # the placement did not change
+    # nothing moved: the load accumulated so far still describes the placement in force
+    step_with(rt, skewed_pass(2))
+    step_with(rt, skewed_pass(3))  # step 3: the update covers steps 1..3
+    assert v("eplb_gpu_load_tokens", gpu="0") == pytest.approx(int(skewed_pass().sum()) * 6 / 3)
+    # an event without the field (older runtimes) is a success
+    from types import SimpleNamespace
+
+    plain = SimpleNamespace(**{k: getattr(_skipped_event(rt), k) for k in (
+        "step", "trigger", "balancedness_before", "balancedness_after", "experts_moved",
+        "bytes_moved", "seconds_plan", "seconds_transfer", "seconds_commit", "seconds",
+        "slots_changed", "placement")})
+    m._on_event(plain)
+    assert v("eplb_rebalances_total", trigger="interval", outcome="success") == 1
+    assert v("eplb_rebalance_duration_seconds_count", phase="transfer") == 1
+
+
+def test_real_skipped_rebalance_is_counted_as_skipped():
+    """On one GPU every plan gains nothing: with the default min_gain the runtime skips it."""
+    from eplb.config import EplbConfig
+
+    rt = make_runtime(min_gain=EplbConfig.min_gain)
+    m = EplbMetrics(rt, interval=1)
+    step_with(rt, skewed_pass())
+    event = rt.rebalance()
+    assert getattr(event, "skipped", None) is True, event
+    v = m.value
+    assert v("eplb_rebalances_total", trigger="api", outcome="skipped") == 1
+    assert v("eplb_rebalances_total", trigger="api", outcome="success") == 0
+    assert v("eplb_rebalance_duration_seconds_sum", phase="plan") == pytest.approx(event.seconds_plan)
+    assert v("eplb_rebalance_duration_seconds_count", phase="total") == 0
+    assert v("eplb_rebalance_balancedness_ratio", when="before") == pytest.approx(
+        event.balancedness_before.mean())
+    assert v("eplb_rebalance_balancedness_ratio", when="after") == pytest.approx(
+        event.balancedness_after.mean())
