@@ -41,7 +41,8 @@ class EplbConfig:
     the window's load: planned placement minus the one in force) for which a rebalance
     moves weights; a plan that gains less is a skipped rebalance: nothing moves, and it is
     still reported (event, log, `eplb_rebalances_total{outcome="skipped"}`). 0 = move
-    whenever the plan differs. Does not apply to `apply_placement()`. Default chosen on
+    whenever the plan differs from the placement in force (a plan equal to it is always
+    skipped: nothing to gain). Does not apply to `apply_placement()`. Default chosen on
     the shared traces (benchmarks/README.md, "Skipping rebalances that gain too little")."""
     weighted_replicas: bool = False
     """Let the planner give replicas unequal shares of their expert's tokens."""

@@ -94,10 +94,11 @@ def predicted_gain(current: Placement, planned: Placement, load: np.ndarray) -> 
 
 def worth_moving(current: Placement, planned: Placement, load: np.ndarray,
                  min_gain: float = DEFAULT_MIN_GAIN) -> tuple[bool, float]:
-    """(whether to move from `current` to `planned`, the predicted gain): a plan that gains
-    less than `min_gain` in balancedness on `load [L, N]`, or equals `current`, moves nothing."""
+    """(whether to move from `current` to `planned`, the predicted gain): a plan equal to
+    `current`, or (with `min_gain` > 0) gaining less than `min_gain` in balancedness on
+    `load [L, N]`, moves nothing. `min_gain` 0 turns the gate off: any other plan moves."""
     gain = predicted_gain(current, planned, load)
-    return (gain >= min_gain and planned != current), gain
+    return (planned != current and (min_gain == 0 or gain >= min_gain)), gain
 
 
 def check_min_gain(value: Any, name: str = "min_gain") -> float:

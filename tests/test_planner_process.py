@@ -152,7 +152,7 @@ def test_policy_registered_at_run_time_is_planned_in_the_thread(caplog):
     with caplog.at_level("INFO", logger="eplb.runtime"):
         runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=2, async_rebalance=True,
                                                 policy="test-planner-process-local",
-                                                rebalance_interval=0))
+                                                rebalance_interval=0, min_gain=0.0))
     assert runtime._planner is None
     assert "not built in" in caplog.text
     runtime.expert_load_pass[:, 0] = 100

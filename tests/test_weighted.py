@@ -358,7 +358,8 @@ def _rebalance_shares_body(rank, world):
     args = _args()
     model = MoEModel(args, group=dist.group.WORLD, device=device)
     runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=4, rebalance_interval=0,
-                                            policy="_test_weighted", weighted_replicas=True))
+                                            policy="_test_weighted", weighted_replicas=True,
+                                            min_gain=0.0))
     reference = DenseMoEModel(args, device=device)
     x = sample_tokens(args, 16, seed=rank, device=device)
     model(x)
@@ -385,7 +386,8 @@ def test_rebalance_broadcasts_planned_shares(world):
             args = _args()
             model = MoEModel(args)
             runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=4, rebalance_interval=0,
-                                                    policy="_test_weighted", weighted_replicas=True))
+                                                    policy="_test_weighted", weighted_replicas=True,
+                                                    min_gain=0.0))
             model(sample_tokens(args, 16))
             runtime.step()
             runtime.rebalance()
