@@ -161,7 +161,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     bar = ProgressBar(n_plans, label="simulate") if n_plans >= 50 else None
     result = simulate(trace, a.num_gpus, a.num_slots, a.window, a.interval, policies=a.policy,
                       num_nodes=a.num_nodes, num_groups=a.num_groups, decay=a.decay,
-                      move_tolerance=a.move_tolerance, weighted=a.weighted,
+                      move_tolerance=a.move_tolerance, weighted=a.weighted, min_gain=a.min_gain,
                       bytes_per_expert=a.bytes_per_expert, start=a.start, oracle=not a.no_oracle,
                       progress=bar.update if bar else None)
     if bar:
@@ -172,8 +172,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
                   + (f" (last {dropped} dropped)" if dropped else ""))
     print(f"eplb simulate: {a.trace}: {steps_desc}, {L} layers x {N} experts; {a.num_gpus} GPUs, "
           f"{a.num_slots} slots, {a.num_nodes} node(s), {a.num_groups} group(s); window {a.window}, "
-          f"interval {a.interval}, decay {a.decay:g}, move tolerance {a.move_tolerance:g}"
-          f"{', weighted' if a.weighted else ''}")
+          f"interval {a.interval}, decay {a.decay:g}, move tolerance {a.move_tolerance:g}, "
+          f"min gain {a.min_gain:g}{', weighted' if a.weighted else ''}")
     print(f"{len(cfg['rebalance_steps'])} rebalances per policy; steps {cfg['start']}..{T - 1} scored")
     print(format_table(result))
     if a.json:
@@ -272,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"extra predicted imbalance accepted to keep experts in place "
                          f"(default {EplbConfig.move_tolerance}, as EplbConfig)")
     sm.add_argument("--weighted", action="store_true", help="ask the policies for weighted replicas")
+    sm.add_argument("--min-gain", type=_float("--min-gain"), default=EplbConfig.min_gain, metavar="G",
+                    help=f"skip a rebalance whose plan raises the window's predicted balancedness "
+                         f"by less than G (default {EplbConfig.min_gain}, as EplbConfig; 0 = never)")
     sm.add_argument("--aggregate", type=_positive("--aggregate"), default=1, metavar="A",
                     help="first sum every A consecutive trace entries into one step (default 1)")
     sm.add_argument("--start", type=_positive("--start"), default=None,

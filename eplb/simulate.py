@@ -34,7 +34,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from eplb.placement import Placement
-from eplb.planning import check_topology, plan, positive_int
+from eplb.planning import (DEFAULT_MIN_GAIN, check_min_gain, check_topology, plan, positive_int,
+                           worth_moving)
 from eplb.policy import DEFAULT_MOVE_TOLERANCE, get_policy
 from eplb.transfer import transfer_stats
 from eplb.workload import check_trace, load_trace as read_trace  # re-exported for the CLI
@@ -52,13 +53,16 @@ class RebalanceRecord:
     local_copies: int  # changed slots filled from an expert already on the same GPU
     bytes_moved: int | None  # experts_moved * bytes_per_expert, if given
     seconds_plan: float
-    predicted: float  # in-sample imbalance: the planning window's load on the new placement
+    predicted: float  # in-sample imbalance: the planning window's load on the placement in force after
+    predicted_gain: float = 0.0  # balancedness of the plan minus the placement in force, on the window
+    skipped: bool = False  # the plan gained less than min_gain: nothing moved
 
     def to_dict(self) -> dict:
         return {"step": self.step, "slots_changed": self.slots_changed,
                 "experts_moved": self.experts_moved, "local_copies": self.local_copies,
                 "bytes_moved": self.bytes_moved, "seconds_plan": self.seconds_plan,
-                "predicted_imbalance": self.predicted}
+                "predicted_imbalance": self.predicted, "predicted_gain": self.predicted_gain,
+                "skipped": self.skipped}
 
 
 @dataclass
@@ -86,6 +90,7 @@ class PolicyResult:
             "mean": float(s.mean()), "median": float(np.median(s)),
             "p95": float(np.percentile(s, 95)), "max": float(s.max()),
             "steps_scored": int(s.size), "rebalances": len(self.rebalances),
+            "skipped": sum(r.skipped for r in self.rebalances),
         }
         if self.rebalances:
             r = self.rebalances
@@ -166,6 +171,7 @@ def simulate(
     decay: float = 1.0,
     move_tolerance: float = DEFAULT_MOVE_TOLERANCE,
     weighted: bool = False,
+    min_gain: float = DEFAULT_MIN_GAIN,
     bytes_per_expert: int | None = None,
     start: int | None = None,
     oracle: bool = True,
@@ -175,8 +181,11 @@ def simulate(
 
     `start` is the first rebalance step (default `window`, the first step with a full
     window behind it; at least 1). Summaries cover steps `[start, T)`: steps before it
-    run on the start-up placement under every policy. `oracle=False` skips the oracle
-    references (they double the planning work). `progress()` is called after every plan.
+    run on the start-up placement under every policy. `min_gain`: as `EplbConfig.min_gain`,
+    a plan that raises the window's predicted balancedness by less is not applied (a
+    skipped rebalance, counted in the summary); the oracles ignore it. `oracle=False` skips
+    the oracle references (they double the planning work). `progress()` is called after
+    every plan.
     """
     trace = check_trace(trace)
     T, L, N = trace.shape
@@ -192,6 +201,7 @@ def simulate(
     if isinstance(move_tolerance, bool) or not isinstance(move_tolerance, (int, float)) \
             or not 0 <= move_tolerance < 10:
         raise ValueError(f"move_tolerance must be in [0, 10), got {move_tolerance!r}")
+    min_gain = check_min_gain(min_gain)
     if bytes_per_expert is not None and (isinstance(bytes_per_expert, bool)
                                          or not isinstance(bytes_per_expert, int) or bytes_per_expert < 0):
         raise ValueError(f"bytes_per_expert must be an int >= 0, got {bytes_per_expert!r}")
@@ -224,7 +234,7 @@ def simulate(
               "num_nodes": num_nodes, "num_groups": num_groups, "window": window,
               "interval": interval, "start": start, "decay": float(decay),
               "move_tolerance": float(move_tolerance), "weighted": bool(weighted),
-              "bytes_per_expert": bytes_per_expert, "policies": policies,
+              "min_gain": min_gain, "bytes_per_expert": bytes_per_expert, "policies": policies,
               "rebalance_steps": steps}
 
     none_scores = step_imbalance(trace, initial)  # [T, L]
@@ -239,12 +249,15 @@ def simulate(
         for s, e in zip(steps, ends):
             load = window_load(trace, s, window, decay)  # [L, N]
             t0 = time.perf_counter()
-            new = plan(load, M, P, policy=name, previous=current, **kw)
+            planned = plan(load, M, P, policy=name, previous=current, **kw)
+            move, gain = worth_moving(current, planned, load, min_gain)
+            new = planned if move else current
             seconds = time.perf_counter() - t0
             st = transfer_stats(current.physical_to_logical, new.physical_to_logical, M, bytes_per_expert)
             predicted = float(step_imbalance(load[None], new).mean())
             res.rebalances.append(RebalanceRecord(s, st.slots_changed, st.experts_moved,
-                                                  st.local_copies, st.bytes_moved, seconds, predicted))
+                                                  st.local_copies, st.bytes_moved, seconds, predicted,
+                                                  gain, not move))
             scores[s:e] = step_imbalance(trace[s:e], new)
             current = new
             if progress:
@@ -288,23 +301,27 @@ def result_rows(result: SimulationResult) -> list[tuple[str, PolicyResult]]:
 def format_table(result: SimulationResult) -> str:
     """The per-policy table `eplb simulate` prints."""
     head = (f"{'policy':<22} {'mean':>6} {'median':>6} {'p95':>6} {'in-smpl':>7} "
-            f"{'moved/rebal':>11} {'%slots':>6} {'remote':>7} {'%slots':>6} {'MB/rebal':>9} {'plan ms':>8}")
+            f"{'skipped':>7} {'moved/rebal':>11} {'%slots':>6} {'remote':>7} {'%slots':>6} {'MB/rebal':>9} "
+            f"{'plan ms':>8}")
     lines = ["imbalance = max/mean GPU load per layer, mean over layers, per scored step "
              "(out of sample); in-smpl = the planning window on the new placement;",
-             "moved = slots whose expert changed per rebalance, remote = experts received from "
-             "another GPU per rebalance (% of all L x P slots); plan ms = median.", head, "-" * len(head)]
+             "skipped = rebalances that gained less than min gain (nothing moved) / all; "
+             "moved = slots whose expert changed per rebalance,",
+             "remote = experts received from another GPU per rebalance (% of all L x P slots); "
+             "plan ms = median.", head, "-" * len(head)]
     for label, res in result_rows(result):
         sm = res.summary()
         cells = [f"{label:<22}", f"{sm['mean']:>6.3f}", f"{sm['median']:>6.3f}", f"{sm['p95']:>6.3f}"]
         if sm["rebalances"]:
             mb = sm["bytes_moved_mean"]
-            cells += [f"{sm['predicted_mean']:>7.3f}", f"{sm['slots_changed_mean']:>11.1f}",
+            cells += [f"{sm['predicted_mean']:>7.3f}", f"{sm['skipped']}/{sm['rebalances']}".rjust(7),
+                      f"{sm['slots_changed_mean']:>11.1f}",
                       f"{sm['slots_changed_pct']:>5.1f}%", f"{sm['experts_moved_mean']:>7.1f}",
                       f"{100 * sm['experts_moved_mean'] / res.total_slots:>5.1f}%",
                       f"{'-' if mb is None else format(mb / 1e6, '.1f'):>9}",
                       f"{sm['plan_ms_median']:>8.1f}"]
         else:
-            cells += [f"{'-':>{w}}" for w in (7, 11, 6, 7, 6, 9, 8)]
+            cells += [f"{'-':>{w}}" for w in (7, 7, 11, 6, 7, 6, 9, 8)]
         lines.append(" ".join(cells))
     return "\n".join(lines)
 

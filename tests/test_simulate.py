@@ -107,6 +107,32 @@ def test_planned_scores_out_of_sample_moves_and_oracle_by_hand():
     assert oracle.summary()["mean"] <= res.summary()["mean"]
 
 
+def test_min_gain_skips_plans_that_gain_too_little_by_hand():
+    # gains in balancedness (mean/max GPU load) on each step's window, worked by hand:
+    # step 1, start-up on A: 7 vs 1 -> 4/7; hot plan [0,1,2,3,2,2]: 4 vs 4 -> 1; gain 3/7
+    # step 2, the same plan again: nothing to gain (0), skipped whatever min_gain
+    # step 3, [0,1,2,3,2,2] on B: 22/3 vs 2/3 -> 12/22; plan [0,1,2,3,0,0]: 1; gain 10/22
+    r = simulate(TINY, num_gpus=2, num_slots=6, window=1, interval=1, policies=("_test_hot",),
+                 min_gain=0.2)
+    recs = r.policies["_test_hot"].rebalances
+    assert [x.skipped for x in recs] == [False, True, False]
+    assert [x.predicted_gain for x in recs] == pytest.approx([3 / 7, 0.0, 10 / 22])
+    assert r.policies["_test_hot"].summary()["skipped"] == 1
+    # 0.44 is above 3/7: step 1 is skipped, so steps 2 and 3 start from the start-up placement;
+    # step 3 from start-up on B: 4.5 vs 3.5 -> 4/4.5; plan 1; gain 1/9: skipped too
+    r = simulate(TINY, num_gpus=2, num_slots=6, window=1, interval=1, policies=("_test_hot",),
+                 min_gain=0.44)
+    res = r.policies["_test_hot"]
+    assert [x.skipped for x in res.rebalances] == [True, True, True]
+    assert [x.predicted_gain for x in res.rebalances] == pytest.approx([3 / 7, 3 / 7, 1 / 9])
+    assert all(x.slots_changed == x.experts_moved == 0 for x in res.rebalances)
+    assert np.allclose(res.scored, r.none.scored)  # nothing moved: the start-up scores
+    # in-sample figure of a skipped rebalance: the window on the placement kept (A on start-up)
+    assert res.rebalances[0].predicted == pytest.approx(1.75)
+    with pytest.raises(ValueError, match="min_gain"):
+        simulate(TINY, num_gpus=2, num_slots=6, window=1, interval=1, min_gain=1.5)
+
+
 def test_scores_agree_with_planeval_and_honour_shares():
     rng = np.random.default_rng(0)
     trace = rng.integers(0, 50, size=(7, 3, 8)).astype(np.float64)  # [T, L, N]
