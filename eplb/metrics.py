@@ -228,14 +228,14 @@ class EplbMetrics:
         self._total_steps += n_logical
         window = host[:, N:2 * N]  # [L, N] as the planner sees it (weighted when decay < 1)
         L, M = window.shape[0], rt.world_size
-        self._snapshot = {
-            "logical_count": _exact_int(window) if decay == 1 else window.copy(),
+        self._snapshot = {  # scalars first, so that `curl .../load | head -c 300` reads well
+            "step": rt.steps, "time": time.time(), "steps": rec.fill,
+            "gpu_steps": min(rec.gpu_steps, rec.window_size), "window_size": rec.window_size,
+            "load_decay": float(decay), "interval": self.interval, "layers": L, "experts": N,
+            "gpus": M, "total_steps": self._total_steps,
+            "logical_count": _exact_int(window) if decay == 1 else window.copy(),  # [L, N]
             "gpu_load": _exact_int(host[:, 2 * N:]),  # [L, M]
-            "steps": rec.fill, "gpu_steps": min(rec.gpu_steps, rec.window_size),
-            "window_size": rec.window_size, "load_decay": float(decay),
-            "step": rt.steps, "time": time.time(),
-            "layers": L, "experts": N, "gpus": M, "interval": self.interval,
-            "total_logical_count": self._total_logical.copy(), "total_steps": self._total_steps,
+            "total_logical_count": self._total_logical.copy(),  # [L, N]
         }
 
     def load_snapshot(self) -> dict | None:

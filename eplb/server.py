@@ -11,6 +11,11 @@ see `eplb.metrics`), so a job is one scrape target.
     GET  /healthz          200 {"status": "ok", "step", "rank", "world_size"}
     GET  /placement        the placement in force: physical_to_logical [L][P], replica_count
                            [L][N], logical_to_physical (slots of each expert), sizes, policy
+    GET  /load             the recorded load as of the last metrics update (rank 0's host
+                           copy, see EplbMetrics.load_snapshot): logical_count [L][N] (the
+                           planner's window), gpu_load [L][M], steps, step, time, ...,
+                           total_logical_count [L][N]; 503 before the first update, 404
+                           without EplbMetrics(export_load=True)
     POST /rebalance        bearer token required; 202 {"id", "status_url"}: every rank
                            rebalances at the next control check (config.control_interval)
     GET  /rebalance/<id>   {"id", "state": pending|running|done|failed, "step", "result",
@@ -40,7 +45,7 @@ Hardening (each point has a test in tests/test_server.py):
   * requests are logged only at DEBUG level on the "eplb.server" logger.
 
 `trigger_rebalance()` / `rebalance_status()` / `wait_for_rebalance()` are the client side,
-used by `eplb trigger`.
+used by `eplb trigger`; `fetch_load()` is `eplb record`'s.
 """
 from __future__ import annotations
 
@@ -78,8 +83,9 @@ STATE_CHANGING = ("POST", "PUT", "DELETE", "PATCH")
 _ERROR_TEXT_LIMIT = 300  # characters of a failed rebalance's reason in GET /rebalance/<id>
 _DRAIN_LIMIT = 1 << 20  # bytes of an oversized body read and dropped so the client sees 413
 _ROUTES = {"/": ("GET",), "/metrics": ("GET",), "/healthz": ("GET",), "/placement": ("GET",),
-           "/rebalance": ("POST",)}
+           "/load": ("GET",), "/rebalance": ("POST",)}
 _STATUS_ROUTE = re.compile(r"/rebalance/([0-9]{1,18})")
+_GZIP_MIN = 1024  # bytes of a /load answer above which it is gzipped for clients that accept it
 
 
 def load_token(token: str | None = None, token_file: str | os.PathLike | None = None) -> str | None:
@@ -165,6 +171,7 @@ class EplbServer:
         self.request_timeout = float(_positive("request_timeout", request_timeout, float))
         self.max_connections = _positive("max_connections", max_connections)
         self.runtime = runtime
+        self.metrics = metrics
         self.registry = getattr(metrics, "registry", metrics)
         self.host, self.port = host, port
         self.token = load_token(token, token_file)
@@ -173,7 +180,7 @@ class EplbServer:
         if not is_loopback(host):
             log.warning(
                 "eplb server will listen on %s, which is not a loopback address: GET /metrics, "
-                "/healthz and /placement are readable by anyone who can reach it, and the "
+                "/healthz, /placement and /load are readable by anyone who can reach it, and the "
                 "bearer token travels in clear text (plain HTTP); %s", host,
                 "POST /rebalance needs that token" if self.token is not None
                 else "no token is configured, so POST /rebalance is refused")
@@ -476,7 +483,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._rebalance()
             else:
                 {"/": self._index, "/metrics": self._metrics, "/healthz": self._healthz,
-                 "/placement": self._placement}[path]()
+                 "/placement": self._placement, "/load": self._load}[path]()
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             log.debug("eplb server: client went away", exc_info=True)
         except Exception:
@@ -489,7 +496,7 @@ class _Handler(BaseHTTPRequestHandler):
     # ---- endpoints -------------------------------------------------------------------
     def _index(self) -> None:
         self._json(200, {"endpoints": ["GET /metrics", "GET /healthz", "GET /placement",
-                                       "POST /rebalance", "GET /rebalance/<id>"]})
+                                       "GET /load", "POST /rebalance", "GET /rebalance/<id>"]})
 
     def _metrics(self) -> None:
         registry = self.server.eplb.registry
@@ -521,6 +528,25 @@ class _Handler(BaseHTTPRequestHandler):
                                     for layer in l2p]
         d["step"] = rt.steps
         self._json(200, d)
+
+    def _load(self) -> None:
+        """The metrics' last load snapshot (a host copy on rank 0, replaced whole at every
+        metrics update): no collective and no device access on this thread."""
+        metrics = self.server.eplb.metrics
+        if not getattr(metrics, "export_load", False):
+            self._error(404, "load export is not enabled on this server "
+                             "(EplbMetrics(..., export_load=True))")
+            return
+        snap = metrics.load_snapshot()
+        if snap is None:
+            self._error(503, f"no load recorded yet: the first snapshot is taken at step "
+                             f"{metrics.interval} (the first metrics update)", {"Retry-After": "1"})
+            return
+        body = (json.dumps(snap, default=_json_default) + "\n").encode()
+        headers = {}
+        if "gzip" in self.headers.get("Accept-Encoding", "") and len(body) > _GZIP_MIN:
+            body, headers["Content-Encoding"] = gzip.compress(body), "gzip"
+        self._send(200, body, "application/json", headers)
 
     def _rebalance(self) -> None:
         srv = self.server.eplb  # _dispatch authorized this POST already
@@ -564,15 +590,21 @@ def _base(url: str) -> str:
     return u
 
 
-def _call(method: str, url: str, token: str | None = None, timeout: float = 10.0) -> dict:
-    headers = {"Accept": "application/json"}
+def _call(method: str, url: str, token: str | None = None, timeout: float = 10.0,
+          max_bytes: int = 1 << 20) -> dict:
+    headers = {"Accept": "application/json", "Accept-Encoding": "gzip"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(url, data=b"" if method == "POST" else None, method=method,
                                  headers=headers)
     try:
         with _OPENER.open(req, timeout=timeout) as r:
-            raw = r.read(1 << 20)
+            raw = r.read(max_bytes + 1)
+            if r.headers.get("Content-Encoding") == "gzip":
+                with gzip.GzipFile(fileobj=io.BytesIO(raw)) as z:
+                    raw = z.read(max_bytes + 1)
+            if len(raw) > max_bytes:
+                raise TriggerError(f"{method} {url}: the answer is larger than {max_bytes} bytes")
     except urllib.error.HTTPError as e:
         try:
             msg = json.loads(e.read(65536) or b"{}").get("error") or e.reason
@@ -591,7 +623,7 @@ def _call(method: str, url: str, token: str | None = None, timeout: float = 10.0
         raise TriggerError(f"{method} {url}: cannot connect ({text})") from None
     except (TimeoutError, socket.timeout):
         raise TriggerError(f"{method} {url}: no answer within {timeout:g} s") from None
-    except (OSError, ValueError) as e:  # connection reset, bad port number, ...
+    except (OSError, ValueError, EOFError) as e:  # connection reset, bad port, bad gzip, ...
         raise TriggerError(f"{method} {url}: {getattr(e, 'strerror', None) or e}") from None
     try:
         d = json.loads(raw)
@@ -630,6 +662,32 @@ def wait_for_rebalance(url: str, request_id: int, wait: float, poll: float = 0.0
                                f"after {wait:g} s")
         time.sleep(min(poll, left))
         poll = min(1.0, poll * 1.5)
+
+
+MAX_LOAD_BYTES = 1 << 28  # bytes of a /load answer the client reads at most (256 MiB)
+
+
+def fetch_load(url: str, timeout: float = 10.0) -> dict:
+    """GET /load at the server `url` (its base URL): the job's recorded load as a dict with
+    `logical_count` [L][N], `gpu_load` [L][M], `total_logical_count` [L][N], `steps`,
+    `step`, `time`, ... (see EplbMetrics.load_snapshot). TriggerError with one line when
+    the server is unreachable, does not answer JSON, or has no GET /load."""
+    base = _base(url)
+    if base.endswith("/load"):
+        base = base[: -len("/load")]
+    target = base + "/load"
+    try:
+        d = _call("GET", target, None, timeout, max_bytes=MAX_LOAD_BYTES)
+    except TriggerError as e:
+        if " 404 " in str(e) and "no such endpoint" in str(e):
+            raise TriggerError(f"{e} (this server has no GET /load: an eplb older than "
+                               "the load export?)") from None
+        raise
+    counts = d.get("logical_count")
+    if not isinstance(counts, list) or not counts or not isinstance(counts[0], list):
+        raise TriggerError(f"GET {target}: the answer has no logical_count [L][N] "
+                           "(is this an eplb server?)")
+    return d
 
 
 def describe_status(status: dict) -> str:
