@@ -4,8 +4,10 @@ dashboard (dashboards/eplb.json: panels, annotations, the $job variable) returns
 Prometheus runs on docker/prometheus/prometheus.yml, the compose demo's own scrape config,
 with its one target "node0:9400" replaced by the demo's 127.0.0.1:PORT and nothing else
 changed (job name, 1 s scrape interval, labels). Both processes listen on 127.0.0.1 only.
-The `prometheus` binary must be on PATH (Debian/Ubuntu: apt-get install prometheus; .ci/run
-installs it): without it this test fails rather than skips, so CI cannot silently lose it.
+The `prometheus` binary comes from Prometheus itself (Debian/Ubuntu: apt-get install
+prometheus), not from pip: without it this test skips with a one-line reason, unless
+EPLB_REQUIRE_PROMETHEUS=1 is set, which makes it a failure. .ci/run installs the package and
+sets the variable, so CI cannot silently lose the test (tests/_prom.py).
 """
 from __future__ import annotations
 
@@ -24,9 +26,11 @@ from pathlib import Path
 import pytest
 
 from _dist import free_port
+from _prom import REQUIRE_ENV, prometheus_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRAPE_CONFIG = ROOT / "docker" / "prometheus" / "prometheus.yml"
+COMPOSE = ROOT / "docker" / "docker-compose.yml"
 DASHBOARD = ROOT / "dashboards" / "eplb.json"
 COMPOSE_TARGET = '"node0:9400"'  # as quoted in the targets list
 _SCRIPT = Path(sys.executable).parent / "eplb"
@@ -42,12 +46,7 @@ WAIT = 75  # seconds, at most, for the run to be scraped to its end
 
 
 def prometheus_binary() -> str:
-    path = shutil.which("prometheus")
-    if path is None:
-        pytest.fail("the `prometheus` binary is not on PATH: this test runs a real Prometheus. "
-                    "Install it (Debian/Ubuntu: sudo apt-get install prometheus; .ci/run does) "
-                    "and run the tests again.", pytrace=False)
-    return path
+    return prometheus_tool("prometheus")  # skips, or fails under EPLB_REQUIRE_PROMETHEUS=1
 
 
 def derived_config(metrics_port: int) -> str:
@@ -130,6 +129,15 @@ def substitute(expr: str, variables: dict[str, str]) -> str:
     return expr
 
 
+def compose_healthcheck_path(service: str) -> str:
+    """The URL path that docker/docker-compose.yml's healthcheck of `service` probes."""
+    import yaml
+
+    test = yaml.safe_load(COMPOSE.read_text())["services"][service]["healthcheck"]["test"]
+    (url,) = [a for a in test if a.startswith("http://")]
+    return urllib.parse.urlsplit(url).path
+
+
 def log_tail(*logs: Path) -> str:
     return "".join(f"\n--- {p.name}:\n{p.read_text()[-3000:]}" for p in logs if p.exists())
 
@@ -167,7 +175,11 @@ def test_dashboard_queries_against_real_prometheus(tmp_path):
         end = time.time()
 
         assert prom.scalar('up{job="eplb"}') == 1
-        rebalances = prom.scalar('sum(eplb_rebalances_total{job="eplb",outcome="success"})')
+        # the endpoint the compose file's Prometheus healthcheck probes answers 200
+        with urllib.request.urlopen(prom.url + compose_healthcheck_path("prometheus"), timeout=10) as r:
+            assert r.status == 200
+        # every scheduled rebalance, moved (success) or gaining less than min_gain (skipped)
+        rebalances = prom.scalar('sum(eplb_rebalances_total{job="eplb",outcome!="failure"})')
         assert rebalances == STEPS // EVERY, rebalances
         info = prom.query("eplb_info")
         assert len(info) == 1 and info[0]["metric"]["num_gpus"] == "2", info
@@ -209,3 +221,31 @@ def test_ci_installs_prometheus_then_runs_the_readme_test_command():
     install = next(i for i, ln in enumerate(lines) if "apt-get install" in ln and "prometheus" in ln)
     guard = next(i for i, ln in enumerate(lines) if "command -v prometheus" in ln)
     assert guard < install < len(lines) - 1  # idempotent, before the tests
+    # and the real-Prometheus tests are required there: a missing binary fails, never skips
+    required = [i for i, ln in enumerate(lines) if ln.strip() == f"export {REQUIRE_ENV}=1"]
+    assert required and required[0] < len(lines) - 1, f".ci/run must export {REQUIRE_ENV}=1"
+
+
+def test_missing_binaries_skip_with_how_to_enable_or_fail_when_required(tmp_path, monkeypatch):
+    """tests/_prom.py: the binary on PATH is used; missing, the test skips with a one-line
+    reason naming the package and the variable, or fails under EPLB_REQUIRE_PROMETHEUS."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on PATH
+    for value in (None, "", "0"):
+        if value is None:
+            monkeypatch.delenv(REQUIRE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(REQUIRE_ENV, value)
+        with pytest.raises(pytest.skip.Exception) as skipped:
+            prometheus_tool("promtool")
+        reason = str(skipped.value)
+        assert "\n" not in reason and "apt-get install prometheus" in reason
+        assert f"{REQUIRE_ENV}=1" in reason
+    for value in ("1", "yes"):
+        monkeypatch.setenv(REQUIRE_ENV, value)
+        with pytest.raises(pytest.fail.Exception, match="`prometheus` is not on PATH"):
+            prometheus_tool("prometheus")
+    fake = tmp_path / "prometheus"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    assert prometheus_tool("prometheus") == str(fake)  # found: runs, required or not
+    assert shutil.which("promtool") is None
