@@ -1,6 +1,6 @@
 """`eplb` command line: `eplb demo` (launch the demo job), `eplb plan` (plan a placement) and
 `eplb simulate` (replay a load trace under policies, offline); `eplb trigger` (ask a running
-job's server to rebalance).
+job's server to rebalance) and `eplb record` (save its recorded load, GET /load).
 
 Every bad input exits with status 2 and one line on stderr naming the problem.
 """
@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -131,6 +132,133 @@ def cmd_trigger(a: argparse.Namespace) -> int:
     return 0 if status.get("state") == "done" else 1
 
 
+def _record_write(out: Path, snaps: dict, trace: bool) -> None:
+    """Write one /load snapshot (`trace` False: the answer as JSON, or logical_count as an
+    [L, N] .npy) or a trace (`snaps`: counts [T, L, N], steps, step, time, meta)."""
+    import numpy as np
+
+    try:
+        if not trace:
+            if out.suffix.lower() == ".npy":
+                np.save(out, snaps["counts"])
+            else:
+                out.write_text(json.dumps(snaps["answer"]) + "\n")
+        elif out.suffix.lower() == ".npy":
+            np.save(out, snaps["counts"])
+        elif out.suffix.lower() == ".npz":
+            np.savez(out, counts=snaps["counts"], steps=np.asarray(snaps["steps"], np.int64),
+                     step=np.asarray(snaps["step"], np.int64), time=np.asarray(snaps["time"]))
+        else:
+            out.write_text(json.dumps(dict(snaps["meta"], logical_count=snaps["counts"].tolist(),
+                                           steps=snaps["steps"], step=snaps["step"],
+                                           time=snaps["time"])) + "\n")
+    except OSError as e:
+        raise ValueError(f"--out: cannot write {out} ({e.strerror or e.__class__.__name__})") from None
+
+
+def _record_counts(d: dict, key: str, url: str):
+    """`d[key]` of a /load answer as a checked [L, N] array (int64 when all integral)."""
+    import numpy as np
+
+    from eplb.loadio import as_load
+
+    if key not in d:
+        raise ValueError(f"{url}: the answer has no {key} (an eplb older than the load export?)")
+    arr = np.asarray(d[key]) if isinstance(d[key], list) else None
+    if arr is None or arr.ndim != 2:
+        raise ValueError(f"{url}: {key} is not an [L, N] array")
+    load = as_load(arr, f"{url}: {key}")  # numeric, finite, non-negative: [L, N] float64
+    return load.astype(np.int64) if np.array_equal(load, np.round(load)) else load
+
+
+def cmd_record(a: argparse.Namespace) -> int:
+    import numpy as np
+
+    from eplb.loadio import MAX_LOAD_ELEMENTS
+    from eplb.server import TriggerError, fetch_load
+
+    out = Path(a.out)
+    trace = a.count is not None or a.every is not None
+    if trace and (a.count is None or a.every is None):
+        raise ValueError("--every and --count go together (K snapshots S seconds apart)")
+    kinds = (".json", ".npy", ".npz") if trace else (".json", ".npy")
+    if out.suffix.lower() not in kinds:
+        raise ValueError(f"--out: {out.name} must end in {', '.join(kinds)}"
+                         + ("" if trace else " (.npz with --every/--count)"))
+    if not out.resolve().parent.is_dir():
+        raise ValueError(f"--out: directory does not exist: {out.parent}")
+    if out.is_dir():
+        raise ValueError(f"--out: {out} is a directory")
+    if not 0 < a.timeout <= 3600:
+        raise ValueError(f"--timeout must be in (0, 3600] seconds, got {a.timeout:g}")
+    if trace and not 0 < a.every <= 86400:
+        raise ValueError(f"--every must be in (0, 86400] seconds, got {a.every:g}")
+    if trace and a.count > 10**6:
+        raise ValueError(f"--count: {a.count} is more than the supported {10**6}")
+
+    def fetch() -> dict:
+        try:
+            return fetch_load(a.url, a.timeout)
+        except TriggerError as e:
+            raise ValueError(str(e)) from None
+
+    first = fetch()
+    if not trace:
+        counts = _record_counts(first, "logical_count", a.url)  # [L, N]
+        _record_write(out, {"answer": first, "counts": counts}, trace=False)
+        L, N = counts.shape
+        print(f"wrote {out}: {L} layers x {N} experts, the window of {first.get('steps')} steps "
+              f"at step {first.get('step')}")
+        return 0
+
+    total = _record_counts(first, "total_logical_count", a.url)  # [L, N] since metrics attached
+    if "total_steps" not in first:
+        raise ValueError(f"{a.url}: the answer has no total_steps (an eplb older than the load export?)")
+    L, N = total.shape
+    if a.count * L * N > MAX_LOAD_ELEMENTS:
+        raise ValueError(f"--count {a.count}: {a.count} x {L} x {N} counts are more than the "
+                         f"supported {MAX_LOAD_ELEMENTS}")
+    prev_steps, prev_step = int(first["total_steps"]), first.get("step")
+    entries, steps, at_step, times = [], [], [], []
+    meta = {"layers": L, "experts": N, "gpus": first.get("gpus"), "every": a.every, "url": a.url,
+            "start_step": prev_step}
+    print(f"eplb record: {a.url} at step {prev_step}; {a.count} snapshots every {a.every:g} s",
+          file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    try:
+        for k in range(1, a.count + 1):
+            time.sleep(max(0.0, t0 + k * a.every - time.monotonic()))
+            d = fetch()
+            now = _record_counts(d, "total_logical_count", a.url)
+            n = int(d.get("total_steps", -1))
+            if now.shape != (L, N):
+                raise ValueError(f"{a.url}: the job changed between snapshots ({L} x {N} -> "
+                                 f"{now.shape[0]} x {now.shape[1]} experts)")
+            if n < prev_steps or (now < total).any():
+                raise ValueError(f"{a.url}: the job restarted between snapshots (step "
+                                 f"{prev_step} -> {d.get('step')}, counts went down)")
+            entries.append(now - total)
+            steps.append(n - prev_steps)
+            at_step.append(int(d.get("step", -1)))
+            times.append(float(d.get("time", 0.0)))
+            note = "" if n > prev_steps else " (no metrics update since the last snapshot)"
+            print(f"eplb record: {k}/{a.count} at step {d.get('step')}: {n - prev_steps} steps, "
+                  f"{int(entries[-1].sum())} token-expert assignments{note}",
+                  file=sys.stderr, flush=True)
+            total, prev_steps, prev_step = now, n, d.get("step")
+    except KeyboardInterrupt:
+        if not entries:
+            raise
+        print(f"eplb record: interrupted after {len(entries)} of {a.count} snapshots", file=sys.stderr)
+    counts = np.stack(entries)  # [T, L, N]
+    _record_write(out, {"counts": counts, "steps": steps, "step": at_step, "time": times,
+                        "meta": meta}, trace=True)
+    print(f"wrote {out}: {len(entries)} snapshots {a.every:g} s apart ([T, L, N] = "
+          f"[{len(entries)}, {L}, {N}]), steps {meta['start_step']}..{at_step[-1]} "
+          f"({sum(steps)} steps)")
+    return 0 if len(entries) == a.count else 130
+
+
 def _float(name: str):
     def conv(s: str) -> float:
         try:
@@ -246,6 +374,27 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--wait", type=float, default=None, metavar="SECONDS",
                     help="wait up to SECONDS for the rebalance to finish and print its outcome")
     tr.set_defaults(func=cmd_trigger)
+
+    rc = sub.add_parser(
+        "record", help="save a running job's recorded load (GET /load) to a file or a trace",
+        description="Fetch GET /load from a job's eplb server (rank 0). Without --every: save "
+                    "one snapshot, the planner's window as of the job's last metrics update "
+                    "(.json: the server's answer, which `eplb plan` reads; .npy: logical_count "
+                    "[L, N]). With --every S --count K: save a [T, L, N] trace of K entries, "
+                    "entry k holding the tokens routed to each expert between snapshots k-1 "
+                    "and k (S seconds apart; snapshot 0 is taken at start), for `eplb simulate` "
+                    "(.npy or .npz; .npz and .json also hold the steps each entry covers). "
+                    "Progress goes to stderr, one line per snapshot.")
+    rc.add_argument("url", help="the server's base URL, e.g. http://127.0.0.1:9400")
+    rc.add_argument("--out", required=True, metavar="FILE",
+                    help="output .json or .npy (a trace: .npy, .npz or .json)")
+    rc.add_argument("--every", type=_float("--every"), default=None, metavar="SECONDS",
+                    help="seconds between snapshots of a trace (with --count)")
+    rc.add_argument("--count", type=_positive("--count"), default=None, metavar="K",
+                    help="entries of the trace (with --every; K + 1 requests, K x S seconds)")
+    rc.add_argument("--timeout", type=_float("--timeout"), default=10.0, metavar="SECONDS",
+                    help="seconds to wait for each answer (default 10)")
+    rc.set_defaults(func=cmd_record)
 
     sm = sub.add_parser(
         "simulate", help="replay a [T, L, N] load trace under policies and score them out of sample",
