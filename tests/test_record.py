@@ -299,3 +299,38 @@ def test_real_process_progress_and_errors(job, tmp_path):
                         "--out", str(out)], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1
     assert "cannot connect" in r.stderr
+
+
+def test_interrupted_trace_keeps_what_it_recorded(job, tmp_path):
+    """Ctrl-C during a long recording: the snapshots taken so far are written, exit 130."""
+    import signal
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    out = tmp_path / "t.npz"
+    p = subprocess.Popen([sys.executable, "-m", "eplb", "record", job.url, "--out", str(out),
+                          "--every", "0.1", "--count", "1000"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = []
+        deadline = time.monotonic() + 60
+        while len(lines) < 3:  # the start line and two snapshots
+            assert time.monotonic() < deadline and p.poll() is None, lines
+            lines.append(p.stderr.readline())
+        p.send_signal(signal.SIGINT)
+        stdout, rest = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130, rest
+    tail = rest.splitlines()
+    assert tail[-1].startswith("eplb record: interrupted after ") and tail[-1].endswith(
+        " of 1000 snapshots"), rest
+    kept = int(tail[-1].split()[4])
+    assert kept >= 2
+    z = np.load(out)
+    assert z["counts"].shape == (kept, L, N)
+    steps = [int(re.search(r"at step (\d+)", ln).group(1)) for ln in lines + tail[:-1]]
+    assert z["step"].tolist() == steps[1:kept + 1]  # every snapshot it announced, in order
+    assert (z["counts"] == np.stack([job.between(a, b) for a, b in zip(steps[:kept], steps[1:kept + 1])])).all()
+    assert stdout.startswith(f"wrote {out}: {kept} snapshots")
