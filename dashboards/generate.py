@@ -246,6 +246,35 @@ def build() -> dict:
         [target(f"eplb_placement_age_seconds{{{SEL}}}", "{{job}}")],
         "s", min_=0), 12, 7)
 
+    # ---- opt-in: load per layer and GPU (eplb_gpu_layer_load_tokens, L x M series) -------
+    # Grafana's heatmap panel always has time on its x axis; a layer x GPU heatmap at the
+    # latest scrape is a matrix table with coloured cells: layers as rows, GPUs as columns
+    matrix = panel(
+        "table", "Load per layer and GPU now (opt-in metric)",
+        "Heatmap of token-expert assignments per step routed to each GPU (columns) in each MoE "
+        "layer (rows), mean over the last metrics interval, from eplb_gpu_layer_load_tokens. "
+        "Needs the opt-in per-layer metric: EplbMetrics(..., per_layer_gpu_load=True) on every "
+        "rank (the demo: --metrics-per-layer); it exports L x M series (61 layers x 256 GPUs = "
+        "15,616), so it is off by default and this panel stays empty without it. A dark cell "
+        "is a GPU that is the bottleneck of that layer; compare with 'Load per GPU', which "
+        "sums the layers and can hide one layer's hot GPU.",
+        [instant(f"sum by (layer, gpu) (eplb_gpu_layer_load_tokens{{{SEL}}})", fmt="table")],
+        "none", min_=0, decimals=0,
+        options={"showHeader": True, "cellHeight": "sm", "footer": {"show": False}})
+    matrix["fieldConfig"]["defaults"]["custom"] = {
+        "align": "center", "cellOptions": {"type": "color-background", "mode": "gradient"},
+        "displayMode": "color-background"}  # displayMode: the same for Grafana 9
+    matrix["fieldConfig"]["defaults"]["color"] = {"mode": "continuous-YlRd"}
+    matrix["transformations"] = [
+        {"id": "convertFieldType", "options": {"conversions": [
+            {"targetField": "layer", "destinationType": "number"},
+            {"targetField": "gpu", "destinationType": "number"}], "fields": {}}},
+        {"id": "groupingToMatrix", "options": {"rowField": "layer", "columnField": "gpu",
+                                               "valueField": "Value", "emptyValue": "null"}},
+        {"id": "sortBy", "options": {"fields": {}, "sort": [{"field": "layer\\gpu"}]}},
+    ]
+    add(matrix, 24, 9)
+
     annotations = {"list": [{
         "datasource": DS, "enable": True, "hide": False, "iconColor": "orange",
         "name": "Rebalances",

@@ -153,7 +153,28 @@ def main(argv: list[str] | None = None) -> int:
             target = panel["targets"][0]
             result = get(url, "/api/v1/query", query=substitute(target["expr"], variables),
                          time=f"{end:.3f}")["result"]
-            if kind == "table":
+            matrix = next((t["options"] for t in panel.get("transformations", [])
+                           if t["id"] == "groupingToMatrix"), None)
+            if kind == "table" and matrix is not None:  # a heatmap: rows x columns at `end`
+                rows_of = sorted({int(r["metric"][matrix["rowField"]]) for r in result})
+                cols_of = sorted({int(r["metric"][matrix["columnField"]]) for r in result})
+                if result:
+                    m = np.full((len(rows_of), len(cols_of)), np.nan)
+                    for r in result:
+                        m[rows_of.index(int(r["metric"][matrix["rowField"]])),
+                          cols_of.index(int(r["metric"][matrix["columnField"]]))] = float(r["value"][1])
+                    im = ax.imshow(m, aspect="auto", cmap="YlOrRd", interpolation="nearest")
+                    ax.set_xlabel(matrix["columnField"].upper(), fontsize=8)
+                    ax.set_ylabel(matrix["rowField"], fontsize=8)
+                    ax.tick_params(labelsize=7)
+                    cb = fig.colorbar(im, ax=ax, pad=0.01, fraction=0.03)
+                    cb.set_label("tokens / step", fontsize=8)
+                    cb.ax.tick_params(labelsize=7)
+                else:
+                    ax.set_axis_off()
+                    ax.text(0.5, 0.5, "no data (opt-in metric not enabled)", ha="center",
+                            va="center", transform=ax.transAxes, fontsize=10, color="gray")
+            elif kind == "table":
                 ax.set_axis_off()
                 cols = ["job", "instance", "version", "policy", "num_nodes", "num_gpus",
                         "num_layers", "num_slots"]

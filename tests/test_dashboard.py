@@ -17,6 +17,7 @@ METRICS = {
     "eplb_rebalances_total", "eplb_rebalance_duration_seconds", "eplb_experts_moved_total",
     "eplb_bytes_moved_total", "eplb_rebalance_balancedness_ratio", "eplb_expert_replicas",
     "eplb_load_window_fill_ratio", "eplb_placement_age_seconds", "eplb_steps_total", "eplb_info",
+    "eplb_gpu_layer_load_tokens",
 }
 
 
@@ -110,3 +111,30 @@ def test_promql_is_balanced():
         for o, c in ("()", "[]", "{}"):
             assert e.count(o) == e.count(c), e
         assert e.count('"') % 2 == 0, e
+
+
+def test_layer_by_gpu_heatmap_of_the_opt_in_metric():
+    """The per-layer load per GPU: a layer x GPU matrix (rows layers, columns GPUs, coloured
+    cells) at the latest scrape, from the opt-in eplb_gpu_layer_load_tokens, saying so."""
+    from eplb.metrics import EplbMetrics
+
+    d = dashboard()
+    (p,) = [p for p in d["panels"] if any("eplb_gpu_layer_load_tokens" in t["expr"]
+                                           for t in p["targets"])]
+    (t,) = p["targets"]
+    assert t["expr"] == 'sum by (layer, gpu) (eplb_gpu_layer_load_tokens{job=~"$job"})'
+    assert t["instant"] is True and t["format"] == "table"
+    assert p["type"] == "table"
+    ids = [x["id"] for x in p["transformations"]]
+    assert ids.index("convertFieldType") < ids.index("groupingToMatrix") < ids.index("sortBy")
+    grouping = p["transformations"][ids.index("groupingToMatrix")]["options"]
+    assert (grouping["rowField"], grouping["columnField"], grouping["valueField"]) == ("layer", "gpu", "Value")
+    # groupingToMatrix names its first column "<rowField>\\<columnField>": rows sorted by layer
+    assert p["transformations"][ids.index("sortBy")]["options"]["sort"] == [{"field": "layer\\gpu"}]
+    assert p["fieldConfig"]["defaults"]["custom"]["cellOptions"]["type"] == "color-background"
+    # the note: opt-in, how to turn it on (the constructor argument that exists), its cost
+    assert "opt-in" in p["title"] and "per_layer_gpu_load=True" in p["description"]
+    assert "L x M series" in p["description"] and "--metrics-per-layer" in p["description"]
+    import inspect
+
+    assert "per_layer_gpu_load" in inspect.signature(EplbMetrics).parameters
