@@ -698,6 +698,11 @@ def describe_status(status: dict) -> str:
         return f"failed{at}: {status.get('error') or 'unknown error'}"
     r = status.get("result") or {}
     try:
+        if r.get("skipped"):
+            gain, floor = r["predicted_gain"], r["min_gain"]
+            why = (f"nothing to gain (predicted gain {gain:+.4f})" if gain <= 0 else
+                   f"predicted gain {gain:+.4f} < min gain {floor:.4f}")
+            return f"skipped{at}: {why}; balancedness {r['balancedness_before']:.4f}, nothing moved"
         seconds = r["seconds_plan"] + r["seconds_transfer"] + r["seconds_commit"]
         return (f"done{at}: balancedness {r['balancedness_before']:.3f} -> "
                 f"{r['balancedness_after']:.3f} (predicted), {r['experts_moved']} experts moved, "

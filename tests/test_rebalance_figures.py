@@ -32,7 +32,7 @@ from eplb.metrics import EplbMetrics
 from eplb.placement import Placement
 from eplb.planning import plan
 from eplb.runtime import EplbRuntime
-from eplb.server import EplbServer
+from eplb.server import EplbServer, describe_status
 
 WINDOW = 6
 
@@ -192,6 +192,10 @@ def _figures_body(rank, world, mode):
             assert got["balancedness_after"] == pytest.approx(want_after.mean(), abs=1e-9)
             assert got["predicted_gain"] == pytest.approx(event.predicted_gain, abs=1e-12)
             assert got["outcome"] == "success" and got["skipped"] is False
+            # what `eplb trigger --wait` prints for it
+            assert describe_status(status).startswith(
+                f"done at step {status['step']}: balancedness {want_before.mean():.3f} -> "
+                f"{want_after.mean():.3f} (predicted), {event.experts_moved} experts moved")
 
     # ---- the same window again: the plan is the placement in force, nothing to gain ----
     placed = runtime.placement
@@ -231,6 +235,9 @@ def _figures_body(rank, world, mode):
         for w, o in zip(ws, olds):
             assert torch.equal(w, o)
     assert f"< min gain 0.9000" in small.describe()
+    assert describe_status({"state": "done", "step": small.step, "result": small.summary()}) == (
+        f"skipped at step {small.step}: predicted gain {small.predicted_gain:+.4f} < min gain "
+        f"0.9000; balancedness {measured_balancedness(gpu).mean():.4f}, nothing moved")
     if rank == 0:
         assert metrics.value("eplb_rebalances_total", trigger="api", outcome="skipped") == 2
         assert metrics.value("eplb_rebalance_balancedness_ratio", when="after") == pytest.approx(kept.mean(), abs=1e-9)
