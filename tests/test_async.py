@@ -61,7 +61,7 @@ def _serving_body(rank, world, transport="nccl", launch="auto"):
     assert_same_on_every_rank(runtime.physical_to_logical)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_async_rebalance_serves_correctly_at_every_step(world):
     run_distributed(_serving_body, world)
 
@@ -219,7 +219,8 @@ def _failure_body(rank, world, failing_ranks, asynchronous, launch="auto"):
 
 
 @pytest.mark.parametrize("failing,asynchronous,launch", [
-    ((0, 1, 2, 3), True, "auto"), ((1,), True, "auto"), ((1,), False, "auto"), ((1,), True, "step")])
+    pytest.param((0, 1, 2, 3), True, "auto", marks=pytest.mark.slow),
+    ((1,), True, "auto"), ((1,), False, "auto"), ((1,), True, "step")])
 def test_failed_exchange_aborts_every_rank_at_the_same_layer(failing, asynchronous, launch):
     run_distributed(_failure_body, 4, failing, asynchronous, launch, timeout=120)
 

@@ -421,7 +421,7 @@ def _ep_worker(rank: int, world: int, args_kw: dict, seed: int) -> None:
             assert used > len(repl), (used, repl)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ep_matches_dense_across_ranks(world):
     run_distributed(_ep_worker, world, EP_ARGS, 11)
 
@@ -510,6 +510,6 @@ def test_fixed_dispatch_rejects_unequal_batches_on_every_rank():
     run_distributed(_fixed_dispatch_unequal_batches_worker, 2)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_fixed_dispatch_matches_exact_and_dense(world):
     run_distributed(_fixed_dispatch_worker, world, 10 + world)

@@ -368,6 +368,7 @@ def test_coalesced_chunked_two_ranks():
     run_distributed(_run_coalesced, 2, 21)
 
 
+@pytest.mark.slow
 def test_coalesced_chunked_three_ranks():
     run_distributed(_run_coalesced, 3, 22)
 

@@ -335,7 +335,7 @@ def _distributed_body(rank, world):
     assert_same_on_every_rank(runtime.logical_replica_cdf)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_uneven_shares_distributed(world):
     run_distributed(_distributed_body, world)
 
