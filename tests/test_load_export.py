@@ -145,7 +145,7 @@ def test_load_on_two_ranks_equals_the_recorded_load(tmp_path, decay):
     assert (tmp_path / f"plan_{decay}.json").is_file()
 
 
-def test_load_disabled_is_404_and_listed_in_the_index(monkeypatch):
+def test_load_disabled_is_404_and_listed_in_the_index():
     rt = make_runtime()
     m = EplbMetrics(rt, interval=1, export_load=False)
     assert m.load_snapshot() is None
