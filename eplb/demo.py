@@ -75,6 +75,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="steps between load-gauge updates (one all-reduce each; default 10)")
     m.add_argument("--metrics-replicas", action="store_true",
                    help="also export eplb_expert_replicas{layer,expert} (L x N series)")
+    m.add_argument("--metrics-per-layer", action="store_true",
+                   help="also export eplb_gpu_layer_load_tokens{layer,gpu} (L x M series; the "
+                        "dashboard's layer x GPU heatmap)")
     m.add_argument("--metrics-hold", type=float, default=0.0, metavar="SECONDS",
                    help="keep serving SECONDS after the last step, so a scraper reads the final values")
     m.add_argument("--token-file", default=None, metavar="FILE",
@@ -277,7 +280,8 @@ def start_metrics(a: argparse.Namespace, runtime: EplbRuntime, device: torch.dev
     from eplb.server import EplbServer
 
     metrics = EplbMetrics(runtime, interval=a.metrics_interval,
-                          per_expert_replicas=a.metrics_replicas)
+                          per_expert_replicas=a.metrics_replicas,
+                          per_layer_gpu_load=a.metrics_per_layer)
     server, error = None, ""
     if runtime.rank == 0:
         try:

@@ -212,6 +212,7 @@ def test_two_node_job_commands():
     demo = demo_args(parsed[0].training_script_args)
     assert demo.metrics_port == 9400 and demo.metrics_host == "0.0.0.0"
     assert demo.metrics_replicas  # the dashboard's opt-in replica panels have data
+    assert demo.metrics_per_layer  # and its layer x GPU heatmap
     assert "127.0.0.1:9400:9400" in nodes[0]["ports"]
 
 

@@ -38,7 +38,8 @@ EPLB = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "eplb.cli
 STEPS, EVERY = 400, 40
 DEMO = ["demo", "--nproc", "2", "--steps", str(STEPS), "--rebalance-every", str(EVERY),
         "--layers", "2", "--experts", "8", "--tokens", "32", "--hidden", "32",
-        "--intermediate", "32", "--metrics-interval", "5", "--metrics-replicas"]
+        "--intermediate", "32", "--metrics-interval", "5", "--metrics-replicas",
+        "--metrics-per-layer"]
 # Grafana's built-in variables as Grafana would set them for a 1 s scrape interval
 # ($__rate_interval = 4 x scrape interval), and the smallest $window choice
 BUILTINS = {"$__rate_interval": "4s", "$__interval": "1s", "$window": "1m"}
