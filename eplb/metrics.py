@@ -186,7 +186,7 @@ class EplbMetrics:
         decay = rt.config.load_decay
         parts = [self._acc]  # [L, M]
         if self._acc_logical is not None:
-            logical, gpu = _local_window(rt.recorder, decay)  # [L, N], [L, M]
+            logical, gpu = rt.recorder.local_window(decay)  # [L, N], [L, M]
             parts += [self._acc_logical, logical, gpu]
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.int64
         buf = torch.cat([p.to(dtype) for p in parts], dim=1) if len(parts) > 1 else self._acc
@@ -361,24 +361,6 @@ class _ScrapeTimeCollector:
             yield fam
 
 
-def _local_window(rec, decay: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's part of `LoadRecorder.window_load(decay=...)`: the same sums, on the
-    device, before its all-reduce (here folded into the metrics' one all-reduce).
-    Logical `[L, N]` (int64, or float64 weighted decay**age when decay < 1) and per-GPU
-    `[L, M]` int64 over the steps since the last placement change (at most the window)."""
-    W = rec.window_size
-    if decay == 1:
-        logical = rec.logical_ring.sum(0)  # [L, N]
-    else:
-        newest = (rec.steps_recorded - 1) % W
-        age = (newest - torch.arange(W, device=rec.logical_ring.device)) % W  # [W]
-        weight = torch.pow(torch.full((W,), float(decay), dtype=torch.float64,
-                                      device=age.device), age)  # [W]
-        logical = torch.tensordot(weight, rec.logical_ring.to(torch.float64), dims=1)  # [L, N]
-    n_gpu = min(rec.gpu_steps, W)
-    idx = (rec.steps_recorded - 1 - torch.arange(n_gpu, device=rec.gpu_ring.device)) % W  # [n]
-    gpu = rec.gpu_ring.index_select(0, idx).sum(0)  # [L, M]
-    return logical, gpu
 
 
 def _exact_int(a: np.ndarray) -> np.ndarray:

@@ -55,6 +55,19 @@ class LoadRecorder:
         steps were counted under another placement). One all-reduce, nothing leaves the
         device.
         """
+        logical, gpu = self.local_window(decay)  # [L, N], [L, M]
+        both = torch.cat([logical, gpu.to(logical.dtype)], dim=1)  # [L, N + M]
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(both, group=group)
+        N = logical.shape[1]
+        # per-GPU sums are integers below 2**53, exact in float64
+        return both[:, :N], both[:, N:].to(torch.int64)
+
+    def local_window(self, decay: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of `window_load`: the same sums, on the device, before the
+        all-reduce (`EplbMetrics` folds them into its own one all-reduce). Logical `[L, N]`
+        (int64, or float64 weighted decay**age when decay < 1) and per-GPU `[L, M]` int64
+        over the steps since the last placement change (at most the window)."""
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {decay!r}")
         W = self.window_size
@@ -72,12 +85,7 @@ class LoadRecorder:
         # which would wait for the work queued on the stream)
         idx = (self.steps_recorded - 1 - torch.arange(n_gpu, device=self.gpu_ring.device)) % W  # [n]
         gpu = self.gpu_ring.index_select(0, idx).sum(0)  # [L, M] (zeros when n_gpu == 0)
-        both = torch.cat([logical, gpu.to(logical.dtype)], dim=1)  # [L, N + M]
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(both, group=group)
-        N = logical.shape[1]
-        # per-GPU sums are integers below 2**53, exact in float64
-        return both[:, :N], both[:, N:].to(torch.int64)
+        return logical, gpu
 
     def warm_up(self, group: dist.ProcessGroup | None = None, decay: float = 1.0) -> None:
         """Run `window_load`'s kernels once and record nothing (collective like it). On a
