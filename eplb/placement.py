@@ -270,12 +270,9 @@ class Placement:
             except Exception as e:  # empty, truncated, pickled, too large or not an .npy file
                 raise ValueError(f"{path}: not a readable placement .npy file ({_one_line(e)})") from None
         elif path.suffix == ".pt":
-            import torch
+            from eplb.loadio import torch_load_weights_only
 
-            try:
-                d = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as e:  # unpickling errors come in many types
-                raise ValueError(f"{path}: not a readable placement .pt file ({e.__class__.__name__})") from None
+            d = torch_load_weights_only(path, "placement .pt")  # one ValueError line if refused
             if isinstance(d, dict):
                 d = {k: v.numpy() if hasattr(v, "numpy") else v for k, v in d.items()}
         else:

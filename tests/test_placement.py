@@ -102,7 +102,7 @@ def test_with_physical_to_logical_and_eq():
         ("nogpus.json", b'{"physical_to_logical": [[0, 1]]}', "lacks 'num_gpus'"),
         ("ragged.json", b'{"physical_to_logical": [[0, 1], [0]], "num_gpus": 1}', "rectangular"),
         ("empty.npy", b"", "not a readable placement .npy"),
-        ("bad.pt", b"junk", "not a readable placement .pt"),
+        ("bad.pt", b"junk", "not a safely loadable placement .pt file"),
     ],
 )
 def test_load_errors(tmp_path, name, content, match):
@@ -111,3 +111,25 @@ def test_load_errors(tmp_path, name, content, match):
         path.write_bytes(content)
     with pytest.raises(ValueError, match=match):
         Placement.load(path, num_gpus=None if name.endswith(".json") else 2)
+
+
+def test_refused_pt_placement_is_one_line_naming_the_reason(tmp_path):
+    """A .pt placement whose pickle needs an arbitrary global is refused by weights_only
+    (nothing runs) with one line that says why."""
+    import pickle
+
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            import os
+            return (os.system, (f"touch {marker}",))
+
+    path = tmp_path / "evil.pt"
+    path.write_bytes(pickle.dumps({"physical_to_logical": Evil()}, protocol=2))
+    with pytest.raises(ValueError) as info:
+        Placement.load(path, num_gpus=2)
+    msg = str(info.value)
+    assert "\n" not in msg and "not a safely loadable placement .pt file" in msg
+    assert "refused by weights_only=True" in msg, msg
+    assert not marker.exists()
