@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace-stride", type=int, default=1, help="trace entries the window moves per step")
     p.add_argument("--bias-strength", type=float, default=DEMO_BIAS_STRENGTH)
     p.add_argument("--policy", default="default")
+    p.add_argument("--min-gain", type=float, default=EplbConfig.min_gain,
+                   help="EplbConfig.min_gain (0: every plan that differs moves, so a "
+                        "rebalance is in flight at every interval)")
     p.add_argument("--planner", choices=["process", "thread"], default="process",
                    help="async mode: rank 0 plans in a child process (default) or in the "
                         "rebalance thread (EplbConfig.planner_process)")
@@ -173,7 +176,8 @@ class Run:
     def config(self, interval: int, asynchronous: bool) -> EplbConfig:
         kw = dict(num_redundant_experts=self.a.redundant, window_size=self.a.window,
                   rebalance_interval=interval, policy=self.a.policy, control_interval=0,
-                  weighted_replicas=self.a.weighted, num_nodes=1, transport=self.a.transport)
+                  weighted_replicas=self.a.weighted, num_nodes=1, transport=self.a.transport,
+                  min_gain=self.a.min_gain)
         if asynchronous:
             kw["async_rebalance"] = True
             kw["planner_process"] = self.a.planner == "process"

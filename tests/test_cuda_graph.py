@@ -123,8 +123,9 @@ def test_captured_forward_follows_rebalances():
     bias = _bias(args, 2).cuda()
     model.set_routing_bias(bias)
     ref.set_routing_bias(bias)
+    # one GPU gains nothing in balance: min_gain 0 so every plan that differs moves
     config = EplbConfig(num_redundant_experts=P - N, window_size=4, rebalance_interval=0,
-                        control_interval=0, weighted_replicas=True)
+                        control_interval=0, weighted_replicas=True, min_gain=0.0)
     runtime = EplbRuntime(model, config)
     static_x = sample_tokens(args, 128, seed=0, device="cuda")
     graph, static_y = _capture(model, static_x)
@@ -209,7 +210,8 @@ def _two_gpu_graph_body(rank: int, world: int) -> None:
     model.set_routing_bias(bias)
     ref.set_routing_bias(bias)
     runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=P - N, window_size=4,
-                                            rebalance_interval=0, control_interval=0),
+                                            rebalance_interval=0, control_interval=0,
+                                            min_gain=0.0),  # the test needs moves
                           group=dist.group.WORLD)
     T = 96  # "fixed" dispatch exchanges T*K-row blocks: the same T on every rank
     static_x = sample_tokens(args, T, seed=rank, device=device)

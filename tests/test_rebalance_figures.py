@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_distributed
+from _dist import device_for, run_distributed
 from eplb.config import EplbConfig
 from eplb.metrics import EplbMetrics
 from eplb.placement import Placement
@@ -117,7 +117,7 @@ def _wait_event(model, runtime, bias, device):
 def _figures_body(rank, world, mode):
     from moe import MoEModel
 
-    device = torch.device("cpu")
+    device = device_for(rank)
     args = _args()
     model = MoEModel(args, group=dist.group.WORLD, device=device)
     L, N, M = args.num_layers, args.num_experts, world
