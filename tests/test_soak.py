@@ -7,8 +7,9 @@ the dense reference after every rebalance, and at the end every expert slot hold
 bitwise, a freshly built copy of its expert (`moe.weights`) and every other parameter
 equals a freshly built model's.
 
-Default suite: 500 steps (10 rebalances). `-m slow`: 10,000 steps (200 rebalances);
-its measured figures are in docs/reliability.md (run with `-s` to print them).
+Both are marked slow (`-m slow`, which `.ci/run` runs after the default suite): 500 steps
+(10 rebalances) and 10,000 steps (200 rebalances); the measured figures of the long one
+are in docs/reliability.md (run with `-s` to print them).
 """
 from __future__ import annotations
 
@@ -131,6 +132,7 @@ def _run(steps: int, warmup: int, tmp_path, timeout: float) -> list[dict]:
     return results
 
 
+@pytest.mark.slow
 def test_soak_500_steps(tmp_path):
     results = _run(500, 200, tmp_path, timeout=300)
     assert all(r["rebalances"] == 10 for r in results)
