@@ -14,6 +14,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 BACKEND = os.environ.get("EPLB_TEST_BACKEND", "gloo")
+# Ranks start from a fork server that has imported torch, numpy and the packages once
+# (a fresh interpreter per rank, as with "spawn", without paying the imports each time:
+# on 2 cores they were most of a small multi-rank test's time). Under NCCL: "spawn".
+START_METHOD = "spawn" if BACKEND == "nccl" else "forkserver"
+if START_METHOD == "forkserver":
+    mp.set_forkserver_preload(["torch", "torch.distributed", "numpy", "eplb", "moe", "_dist"])
 
 
 def free_port() -> int:
@@ -57,7 +63,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> None:
 
         pytest.skip(f"needs {world_size} GPUs for NCCL, {torch.cuda.device_count()} visible")
     ctx = mp.start_processes(_entry, args=(world_size, free_port(), fn, args),
-                             nprocs=world_size, join=False, start_method="spawn")
+                             nprocs=world_size, join=False, start_method=START_METHOD)
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
