@@ -1,0 +1,207 @@
+"""One transformers `*Experts` module made expert-parallel: its stacked parameters cut
+down to this rank's slots, its forward routed through this project's dispatch.
+
+transformers (5.x) MoE models keep a layer's routed experts in one module whose
+parameters are stacked on dim 0 (the expert) and which is called as
+`experts(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]`.
+The router, gating, shared experts and activation stay the model's own: only that call
+changes. `ExpertParallelExperts` replaces it with
+
+    logical ids -> replica slots (`map_to_physical`) -> count load into the load view
+    -> all-to-all to the owning ranks (`dispatch`) -> the module's own expert forward on
+    the local slots, one (token, k) copy per row with weight 1 -> all-to-all back
+    (`combine`) -> gate-weighted sum over k (`weighted_sum`).
+
+Start-up layout (as `eplb.Placement.initial`): slot p holds expert p mod N and rank r
+holds slots [r*S, (r+1)*S), so the same slots hold the same experts in every layer.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..dispatch import combine, count_slots, dispatch, map_to_physical, weighted_sum
+
+LOCAL_EXPERTS_ATTR = "_eplb_local_experts"  # set on a module whose slots are already cut:
+NUM_LOGICAL_ATTR = "_eplb_num_logical_experts"  # its logical experts (slot order) and N
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """A transformers routed-experts module: class name ending in "Experts" (the naming
+    transformers 5 uses for its stacked-expert modules, e.g. `Qwen3MoeExperts`)."""
+    return type(module).__name__.endswith("Experts")
+
+
+def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every `*Experts` module, in model order (outermost
+    only). Raises ValueError when there is none."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if is_experts_module(module) and not any(name.startswith(f + ".") for f, _ in found):
+            found.append((name, module))
+    if not found:
+        raise ValueError(f"{type(model).__name__}: no transformers `*Experts` module found; "
+                         "moe.hf needs the transformers 5 MoE layout (one module per layer "
+                         "with parameters stacked on dim 0, called as "
+                         "experts(hidden_states, top_k_index, top_k_weights))")
+    return found
+
+
+def stacked_names(name: str, module: nn.Module) -> tuple[int, list[str]]:
+    """(N, names of the module's stacked tensors): its parameters and buffers whose dim 0
+    is `module.num_experts`. Raises ValueError naming the module and what is missing."""
+    kind = type(module).__name__
+    N = getattr(module, "num_experts", None)
+    if not isinstance(N, int) or N < 1:
+        raise ValueError(f"{name} ({kind}): has no integer `num_experts` attribute; "
+                         "moe.hf needs it to know the stacked expert dimension")
+    params = inspect.signature(type(module).forward).parameters
+    if len(params) < 4:  # self, hidden_states, top_k_index, top_k_weights
+        raise ValueError(f"{name} ({kind}): forward takes {list(params)[1:]}; moe.hf needs "
+                         "forward(hidden_states, top_k_index, top_k_weights)")
+    tensors = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+    stacked = [n for n, t in tensors if t is not None and t.dim() >= 1 and t.shape[0] == N]
+    other = [f"{n} {tuple(t.shape)}" for n, t in tensors if t is not None and n not in stacked]
+    if not stacked:
+        raise ValueError(f"{name} ({kind}): no parameter has dim 0 = num_experts ({N}); "
+                         "moe.hf needs the experts' weights stacked on dim 0")
+    if other:
+        raise ValueError(f"{name} ({kind}): tensors {', '.join(other)} are not stacked on "
+                         f"dim 0 = num_experts ({N}); moe.hf cannot split them over ranks")
+    return N, stacked
+
+
+def slot_experts(num_experts: int, num_slots: int, rank: int, num_local_slots: int) -> list[int]:
+    """Logical expert of each of rank `rank`'s slots in the start-up layout: slot p holds
+    expert p mod N, rank r holds slots [r*S, (r+1)*S)."""
+    first = rank * num_local_slots
+    return [p % num_experts for p in range(first, first + num_local_slots)]
+
+
+@torch.no_grad()
+def keep_local_slots(module: nn.Module, names: Sequence[str], experts: Sequence[int]) -> None:
+    """Replace each stacked tensor [N, ...] by a fresh [S, ...] tensor holding rows
+    `experts` (the full tensor is dropped, so its memory is freed once nothing else holds
+    it) and set `module.num_experts = S`, so the module's own forward indexes local slots."""
+    index = torch.tensor(list(experts), dtype=torch.long)
+    for n in names:
+        if n in module._parameters:
+            old = module._parameters[n]
+            module._parameters[n] = nn.Parameter(old.data[index.to(old.device)].clone(),
+                                                 requires_grad=False)
+        else:
+            old = module._buffers[n]
+            module._buffers[n] = old[index.to(old.device)].clone()
+    setattr(module, NUM_LOGICAL_ATTR, module.num_experts)
+    setattr(module, LOCAL_EXPERTS_ATTR, list(experts))
+    module.num_experts = len(experts)
+
+
+class ExpertParallelExperts:
+    """The runtime's view of one MoE layer (`eplb.protocol.MoELayerProtocol`) and the
+    expert-parallel forward installed on the transformers `*Experts` module.
+
+    `module`'s stacked tensors hold S = num_local_physical_experts slots; slot p of the
+    layer lives on rank p // S of `group`. Routing state is row views of the runtime's
+    tensors (`set_eplb_state`): `expert_load_view [P]`, `logical_to_physical_map [N, R]`,
+    `logical_replica_count [N]` and optionally `logical_replica_cdf [N, R]`; the layer
+    only reads the maps and adds into the load view, so the runtime may rewrite them, and
+    the stacked tensors, in place between forwards.
+    """
+
+    def __init__(self, name: str, module: nn.Module, names: Sequence[str], num_experts: int,
+                 num_slots: int, group: dist.ProcessGroup | None) -> None:
+        self.name = name
+        self.module = module
+        self.names = list(names)
+        self.num_logical_experts = num_experts  # N
+        self.num_physical_experts = num_slots  # P
+        self.num_local_physical_experts = module.num_experts  # S
+        self.group = group
+        self.record_load = True  # False: route without counting (warm-up batches)
+        self.moe_layer_idx: int | None = None
+        self.expert_load_view: torch.Tensor | None = None  # [P]
+        self.logical_to_physical_map: torch.Tensor | None = None  # [N, R]
+        self.logical_replica_count: torch.Tensor | None = None  # [N]
+        self.logical_replica_cdf: torch.Tensor | None = None  # [N, R] float32, None = even
+        self._expert_forward = type(module).forward  # the model's own expert math
+        module.forward = self.forward  # the module now dispatches over expert parallelism
+
+    # ---- MoELayerProtocol --------------------------------------------------------
+    def get_expert_weights(self) -> list[torch.Tensor]:
+        """The module's stacked tensors, each [S, ...] (the parameters themselves)."""
+        tensors = dict(self.module.named_parameters(recurse=False))
+        tensors.update(self.module.named_buffers(recurse=False))
+        return [tensors[n].data if isinstance(tensors[n], nn.Parameter) else tensors[n]
+                for n in self.names]
+
+    def set_eplb_state(self, moe_layer_idx: int, expert_load_view: torch.Tensor,
+                       logical_to_physical_map: torch.Tensor,
+                       logical_replica_count: torch.Tensor) -> None:
+        """Keep row `moe_layer_idx` of the runtime's [L, P], [L, N, R] and [L, N] tensors
+        (views, not copies). Drops registered replica weights."""
+        P, N = self.num_physical_experts, self.num_logical_experts
+        device = self.get_expert_weights()[0].device
+        for label, t, width in (("expert_load_view", expert_load_view, P),
+                                ("logical_to_physical_map", logical_to_physical_map, N),
+                                ("logical_replica_count", logical_replica_count, N)):
+            if t.shape[1] != width or not 0 <= moe_layer_idx < t.shape[0]:
+                raise ValueError(f"{label}: shape {tuple(t.shape)} does not fit layer "
+                                 f"{moe_layer_idx} with P={P}, N={N}")
+            if t.device != device:
+                raise ValueError(f"{label}: on {t.device}, the experts of {self.name} on {device}")
+            if t.dtype.is_floating_point:
+                raise ValueError(f"{label}: needs an integer dtype, got {t.dtype}")
+        self.moe_layer_idx = moe_layer_idx
+        self.expert_load_view = expert_load_view[moe_layer_idx]
+        self.logical_to_physical_map = logical_to_physical_map[moe_layer_idx]
+        self.logical_replica_count = logical_replica_count[moe_layer_idx]
+        self.logical_replica_cdf = None
+
+    def set_eplb_replica_weights(self, moe_layer_idx: int,
+                                 logical_replica_cdf: torch.Tensor | None) -> None:
+        """Keep row `moe_layer_idx` of `logical_replica_cdf [L, N, R]`; None: even split."""
+        if logical_replica_cdf is None:
+            self.logical_replica_cdf = None
+            return
+        if self.logical_to_physical_map is None or moe_layer_idx != self.moe_layer_idx:
+            raise RuntimeError(f"{self.name}: call set_eplb_state before set_eplb_replica_weights")
+        R = self.logical_to_physical_map.shape[-1]
+        if logical_replica_cdf.shape[1:] != (self.num_logical_experts, R):
+            raise ValueError(f"logical_replica_cdf: shape {tuple(logical_replica_cdf.shape)} "
+                             f"does not fit N={self.num_logical_experts}, R={R}")
+        self.logical_replica_cdf = logical_replica_cdf[moe_layer_idx]
+
+    # ---- forward -----------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        """hidden_states [T, H], top_k_index [T, K] logical ids, top_k_weights [T, K]
+        -> routed expert output [T, H]. Every rank of the group must call it."""
+        if self.logical_to_physical_map is None:
+            raise RuntimeError(f"{self.name}: set_eplb_state was never called")
+        S, P = self.num_local_physical_experts, self.num_physical_experts
+        world = dist.get_world_size(self.group) if self.group is not None else 1
+        if world * S != P:
+            raise RuntimeError(f"{self.name}: {world} ranks x {S} local slots != {P} slots")
+        physical = map_to_physical(top_k_index.long(), self.logical_to_physical_map,
+                                   self.logical_replica_count, self.logical_replica_cdf)  # [T, K]
+        slot_counts = count_slots(physical, P)  # [P]
+        if self.record_load:
+            self.expert_load_view.add_(slot_counts.to(self.expert_load_view.dtype))
+        x_local, counts, _, state = dispatch(hidden_states, physical, S, self.group,
+                                             slot_counts, "exact")  # [T_r, H], [S]
+        local_slot = torch.repeat_interleave(
+            torch.arange(S, device=counts.device), counts.long())  # [T_r] sorted by slot
+        if x_local.shape[0] == 0:
+            y_local = x_local.new_zeros(x_local.shape)  # [0, H]
+        else:
+            ones = torch.ones(x_local.shape[0], 1, dtype=top_k_weights.dtype,
+                              device=x_local.device)  # [T_r, 1]
+            y_local = self._expert_forward(self.module, x_local, local_slot.unsqueeze(1),
+                                           ones)  # [T_r, H] one row per (token, k) copy
+        out = combine(y_local, state, self.group)  # [T, K, H]
+        return weighted_sum(out, top_k_weights).to(hidden_states.dtype)  # [T, H]
