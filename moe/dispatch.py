@@ -20,12 +20,14 @@ Steps, all tensor ops on the tokens' device:
      (the most one rank can send another, so nothing is ever dropped), padded; shapes
      never depend on the routing, so there is no host sync and the EP forward can be
      captured in a CUDA graph. It moves W times the rows of "exact" over the wire, and
-     every rank must pass the same T (the layer checks, with one all-reduce, when T changes).
+     every rank must pass the same T: `dispatch` does not check it (`MoELayer` does, with
+     one all-reduce, whenever T changes).
 4. `combine`: the inverse exchange, back into (token, k) order; `weighted_sum` applies
    the gate weights and sums over k.
 
-With no process group (or a group of one) steps 3-4 are local permutations only, with
-no host sync in either mode.
+`dispatch` and `combine` are collectives over the group (`all_to_all_single`): every
+rank calls them, in the same order. With no process group (or a group of one) steps 3-4
+are local permutations only, with no host sync in either mode.
 """
 from __future__ import annotations
 
@@ -97,7 +99,8 @@ def map_to_physical(
     logical_replica_cdf: torch.Tensor | None = None,  # [N, R] cumulative shares, or None
 ) -> torch.Tensor:  # [T, K] physical slot ids
     """Pick a replica slot for every (token, k), spreading tokens over replicas: evenly
-    without a cdf (`hash_replica`), by the replica shares with one (`weighted_replica`)."""
+    without a cdf (`hash_replica`), by the replica shares with one (`weighted_replica`).
+    Fixed shapes, no host sync."""
     T, K = topk_ids.shape
     index = torch.arange(T * K, device=topk_ids.device).view(T, K)  # [T, K] flat position
     if logical_replica_cdf is None:
@@ -158,13 +161,17 @@ def dispatch(
     slot_counts: torch.Tensor | None = None,  # [W*S] `count_slots(physical_ids, W*S)`, if known
     mode: str = "exact",  # "exact" | "fixed" (see the module docstring)
 ) -> tuple[torch.Tensor, torch.Tensor, list[int] | None, DispatchState]:
-    """Send each (token, k) copy of x to the rank owning its slot.
+    """Send each (token, k) copy of x to the rank owning its slot (rank = slot // S).
+    A collective over `group`; `slot_counts`, when given, must be the `count_slots` of
+    `physical_ids` (it is not recomputed).
 
     Returns (x_local [T_r, H] rows for this rank's slots sorted by local slot (in "fixed"
              mode [W*C, H]: the real rows first, then padding rows no expert reads),
              counts [S] int64 rows per local slot (device),
              counts_host [S] the same as ints, or None when nothing forced a host sync,
              state for `combine`).
+    With one rank (`group` None or of size 1) `mode` does not matter: x_local is the
+    [T*K, H] copies sorted by slot, counts is `slot_counts` [S], counts_host None.
     """
     T, K = physical_ids.shape
     S = num_local_slots
@@ -235,7 +242,10 @@ def combine(
     state: DispatchState,
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:  # [T, K, H]
-    """Return every expert output to the rank and (token, k) position it came from."""
+    """Return every expert output to the rank and (token, k) position it came from.
+    `y_local` has one row per row of `dispatch`'s x_local, in the same order (in "fixed"
+    mode [W*C, H]; what the padding rows hold is ignored). A collective over `group`
+    (one `all_to_all_single`), no host sync."""
     if state.local_order is None:
         y_sorted = y_local  # [T*K, H]
     elif state.send_index is not None:  # "fixed": the same [W*C] blocks back
