@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -50,3 +52,27 @@ def test_recording_cpu_mode_reports_overhead(tmp_path):
     assert set(eager) >= {"off", "on", "on + step", "separate", "overhead_on_pct"}
     assert all(eager[k] > 0 for k in ("off", "on", "on + step", "separate"))
     assert rec["sync_check"] is None  # the sync check needs CUDA
+
+
+def test_hf_throughput_cpu_mode_matches_the_original(tmp_path):
+    """benchmarks/hf_throughput.py on 2 gloo ranks (tiny qwen3_moe, fp32): the EP model's
+    logits and greedy tokens equal the original's before and after the rebalance, and the
+    rebalance moves experts and raises the measured per-GPU balancedness."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf.json"
+    r = _run("hf_throughput.py", "--device", "cpu", "--nproc", "2", "--layers", "1", "--reps", "2",
+             "--no-decode", "--hf-ep", "", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = json.loads(out.read_text())
+    res = rec["results"]
+    assert rec["world"] == 2 and rec["cross_rank_weight_spread"] == 0.0
+    assert [m for m in res if not m.startswith("_")] == ["original", "ep-static", "ep-eplb"]
+    for mode in ("ep-static", "ep-eplb"):
+        check = res[mode]["check"]
+        assert check["logits_max_abs_diff"] <= 1e-5, (mode, check)
+        assert check["argmax_agree"] == 1.0 and check["generate_all_equal"], (mode, check)
+        assert res[mode]["tokens_per_s"] > 0 and 0 < res[mode]["balancedness"] <= 1
+    event = res["ep-eplb"]["rebalance"]["event"]
+    assert event["outcome"] == "success" and event["experts_moved"] > 0, event
+    assert res["ep-eplb"]["balancedness"] > res["ep-static"]["balancedness"]
+    assert "HF_JSON " in r.stdout
