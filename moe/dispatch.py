@@ -260,6 +260,6 @@ def combine(
         y_sorted = y_local.new_empty(state.num_tokens * state.top_k, y_local.shape[1])
         dist.all_to_all_single(y_sorted, y_recv, state.send_splits, state.recv_splits,
                                group=group)
-    y = torch.empty_like(y_sorted)  # [T*K, H]
-    y[state.order] = y_sorted
-    return y.view(state.num_tokens, state.top_k, -1)
+    inverse = torch.empty_like(state.order)  # [T*K] position of each copy in sorted order
+    inverse[state.order] = torch.arange(state.order.numel(), device=state.order.device)
+    return y_sorted[inverse].view(state.num_tokens, state.top_k, -1)  # a gather, not a scatter

@@ -19,7 +19,8 @@ BACKEND = os.environ.get("EPLB_TEST_BACKEND", "gloo")
 # on 2 cores they were most of a small multi-rank test's time). Under NCCL: "spawn".
 START_METHOD = "spawn" if BACKEND == "nccl" else "forkserver"
 if START_METHOD == "forkserver":
-    mp.set_forkserver_preload(["torch", "torch.distributed", "numpy", "eplb", "moe", "_dist"])
+    mp.set_forkserver_preload([
+        "torch", "torch.distributed", "numpy", "eplb", "moe", "_dist", "_hf_preload"])
 
 
 def free_port() -> int:

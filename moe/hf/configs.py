@@ -65,10 +65,10 @@ def tiny_model(name: str, seed: int = 0, dtype=None, **sizes):
         for module_name, module in model.named_modules():
             if "router" in type(module).__name__.lower():
                 for p in module.parameters(recurse=False):
-                    p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+                    p.copy_(torch.randn(p.shape, generator=gen, device="cpu") * p.shape[-1] ** -0.5)
             bias = getattr(module, "e_score_correction_bias", None)
             if isinstance(bias, torch.Tensor):
-                bias.copy_(torch.randn(bias.shape, generator=gen) * 0.01)
+                bias.copy_(torch.randn(bias.shape, generator=gen, device="cpu") * 0.01)
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dispatch import combine, count_slots, dispatch, map_to_physical, weighted_sum
+from ..dispatch import combine, count_slots, dispatch, map_to_physical
 
 LOCAL_EXPERTS_ATTR = "_eplb_local_experts"  # set on a module whose slots are already cut:
 NUM_LOGICAL_ATTR = "_eplb_num_logical_experts"  # its logical experts (slot order) and N
@@ -32,8 +32,10 @@ NUM_LOGICAL_ATTR = "_eplb_num_logical_experts"  # its logical experts (slot orde
 
 def is_experts_module(module: nn.Module) -> bool:
     """A transformers routed-experts module: class name ending in "Experts" (the naming
-    transformers 5 uses for its stacked-expert modules, e.g. `Qwen3MoeExperts`)."""
-    return type(module).__name__.endswith("Experts")
+    transformers 5 uses for its stacked-expert modules, e.g. `Qwen3MoeExperts`), except
+    "SharedExperts" (always-on experts every token passes through, not routed)."""
+    name = type(module).__name__
+    return name.endswith("Experts") and not name.endswith("SharedExperts")
 
 
 def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -146,10 +148,10 @@ class ExpertParallelExperts:
         (views, not copies). Drops registered replica weights."""
         P, N = self.num_physical_experts, self.num_logical_experts
         device = self.get_expert_weights()[0].device
-        for label, t, width in (("expert_load_view", expert_load_view, P),
-                                ("logical_to_physical_map", logical_to_physical_map, N),
-                                ("logical_replica_count", logical_replica_count, N)):
-            if t.shape[1] != width or not 0 <= moe_layer_idx < t.shape[0]:
+        for label, t, ndim, width in (("expert_load_view", expert_load_view, 2, P),
+                                      ("logical_to_physical_map", logical_to_physical_map, 3, N),
+                                      ("logical_replica_count", logical_replica_count, 2, N)):
+            if t.dim() != ndim or t.shape[1] != width or not 0 <= moe_layer_idx < t.shape[0]:
                 raise ValueError(f"{label}: shape {tuple(t.shape)} does not fit layer "
                                  f"{moe_layer_idx} with P={P}, N={N}")
             if t.device != device:
@@ -170,10 +172,14 @@ class ExpertParallelExperts:
             return
         if self.logical_to_physical_map is None or moe_layer_idx != self.moe_layer_idx:
             raise RuntimeError(f"{self.name}: call set_eplb_state before set_eplb_replica_weights")
-        R = self.logical_to_physical_map.shape[-1]
-        if logical_replica_cdf.shape[1:] != (self.num_logical_experts, R):
-            raise ValueError(f"logical_replica_cdf: shape {tuple(logical_replica_cdf.shape)} "
-                             f"does not fit N={self.num_logical_experts}, R={R}")
+        t, R = logical_replica_cdf, self.logical_to_physical_map.shape[-1]
+        if t.dim() != 3 or t.shape[1:] != (self.num_logical_experts, R) \
+                or not 0 <= moe_layer_idx < t.shape[0]:
+            raise ValueError(f"logical_replica_cdf: shape {tuple(t.shape)} does not fit layer "
+                             f"{moe_layer_idx} with N={self.num_logical_experts}, R={R}")
+        if t.device != self.logical_to_physical_map.device or not t.dtype.is_floating_point:
+            raise ValueError(f"logical_replica_cdf: needs a floating tensor on "
+                             f"{self.logical_to_physical_map.device}, got {t.dtype} on {t.device}")
         self.logical_replica_cdf = logical_replica_cdf[moe_layer_idx]
 
     # ---- forward -----------------------------------------------------------------
@@ -195,7 +201,8 @@ class ExpertParallelExperts:
         x_local, counts, _, state = dispatch(hidden_states, physical, S, self.group,
                                              slot_counts, "exact")  # [T_r, H], [S]
         local_slot = torch.repeat_interleave(
-            torch.arange(S, device=counts.device), counts.long())  # [T_r] sorted by slot
+            torch.arange(S, device=counts.device), counts.long(),
+            output_size=x_local.shape[0])  # [T_r] sorted by slot, no host sync
         if x_local.shape[0] == 0:
             y_local = x_local.new_zeros(x_local.shape)  # [0, H]
         else:
@@ -204,4 +211,7 @@ class ExpertParallelExperts:
             y_local = self._expert_forward(self.module, x_local, local_slot.unsqueeze(1),
                                            ones)  # [T_r, H] one row per (token, k) copy
         out = combine(y_local, state, self.group)  # [T, K, H]
-        return weighted_sum(out, top_k_weights).to(hidden_states.dtype)  # [T, H]
+        # gate weights applied in the model's dtype, then summed over k, as transformers'
+        # own expert implementations do (no float32 copy of [T, K, H])
+        weighted = out * top_k_weights.to(out.dtype).unsqueeze(-1)  # [T, K, H]
+        return weighted.sum(1).to(hidden_states.dtype)  # [T, H]

@@ -19,10 +19,16 @@ import logging
 import os
 import re
 
+import threading
+
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from torch import nn
+
+try:  # installed with transformers (the `hf` extra)
+    from safetensors import safe_open
+except ImportError:  # pragma: no cover - the error is raised in from_pretrained
+    safe_open = None
 
 from .experts import find_experts_modules, keep_local_slots, slot_experts, stacked_names
 from .model import ExpertParallelModel, expert_parallel
@@ -82,10 +88,21 @@ def read_state_dict(files: list[str], experts: list[int], num_experts: int,
     return state, expert_bytes
 
 
+_CUT_LOCK = threading.Lock()  # the patch below is process-wide: one loading at a time
+
+
 @contextlib.contextmanager
 def cut_at_init(classes: set[type], experts: list[int]):
     """While active, every new instance of `classes` keeps only the rows `experts` of
-    its stacked tensors, right after its own `__init__` (on the meta device)."""
+    its stacked tensors, right after its own `__init__` (on the meta device). Patches the
+    classes process-wide; a lock keeps two loadings in one process from overlapping."""
+    with _CUT_LOCK:
+        with _patched_inits(classes, experts):
+            yield
+
+
+@contextlib.contextmanager
+def _patched_inits(classes: set[type], experts: list[int]):
     originals = {cls: cls.__init__ for cls in classes}
 
     def patched(original):
@@ -112,8 +129,13 @@ def from_pretrained(path: str, num_redundant_experts: int,
     `hf_kwargs` go to transformers' `from_pretrained` (e.g. dtype=torch.bfloat16).
     Returns what `expert_parallel(model, num_redundant_experts, group)` returns, with
     `expert_bytes_read` set to the bytes of expert weights this rank read."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as e:
+        raise ImportError("moe.hf.from_pretrained needs transformers: "
+                          "pip install -e '.[hf]'") from e
+    if safe_open is None:
+        raise ImportError("moe.hf.from_pretrained needs safetensors: pip install -e '.[hf]'")
     if not os.path.isdir(path):
         raise ValueError(f"{path}: not a local directory; download the checkpoint first "
                          "(huggingface-cli download) and pass its directory")

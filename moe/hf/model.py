@@ -187,6 +187,27 @@ class ExpertParallelModel(nn.Module):
         for layer in self.moe_layers:
             layer.group = group
 
+    def release_expert_slots(self) -> None:
+        """Leave expert parallelism (a rank a resize shrinks away): every layer's stacked
+        tensors become empty [0, ...], the group and routing state are dropped, so a
+        forward raises until a resize gives this rank slots again."""
+        for layer in self.moe_layers:
+            module = layer.module
+            for n, t in zip(layer.names, layer.get_expert_weights()):
+                empty = t.new_zeros((0, *t.shape[1:]))
+                if n in module._parameters:
+                    module._parameters[n] = nn.Parameter(empty, requires_grad=False)
+                else:
+                    module._buffers[n] = empty
+            module.num_experts = 0
+            layer.group = None
+            layer.num_local_physical_experts = 0
+            layer.expert_load_view = layer.logical_to_physical_map = None
+            layer.logical_replica_count = layer.logical_replica_cdf = None
+        self.expert_weights[:] = [layer.get_expert_weights() for layer in self.moe_layers]
+        self.group, self.ep_size, self.ep_rank = None, 1, 0
+        self.num_local_physical_experts = 0
+
     # ---- knobs -------------------------------------------------------------------
     def set_record_load(self, enabled: bool) -> None:
         """Turn load counting on or off in every layer (e.g. off for warm-up batches)."""
