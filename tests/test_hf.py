@@ -115,3 +115,40 @@ def _against_original(rank: int, world: int, arch: str) -> None:
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_matches_original_model(arch, world):
     run_distributed(_against_original, world, arch, timeout=240)
+
+
+def _resize_round_trip(rank: int, world: int, arch: str) -> None:
+    """An HF model through eplb.resize: 4 ranks -> 2 (planned on the window) -> 4; the
+    members' logits stay the original's, the released ranks hold no expert weights."""
+    from eplb.resize import resize_expert_parallel
+
+    group = dist.group.WORLD
+    ref = tiny_model(arch, seed=0, **SIZES)
+    vocab = ref.config.get_text_config().vocab_size
+    ep = expert_parallel(copy.deepcopy(ref), 4, group)  # P = 12
+    cfg = EplbConfig(num_redundant_experts=4, min_gain=0.0)
+    runtime = EplbRuntime(ep, cfg, group)
+    for round_ in range(3):
+        with torch.no_grad():
+            ep(skewed_ids(rank, round_, vocab))
+        runtime.step()
+    everyone, half = list(range(world)), list(range(world // 2))
+    res = resize_expert_parallel(ep, everyone, half, runtime=runtime, load="window")
+    if rank in half:
+        assert ep.num_local_physical_experts == 6 and res.runtime.world_size == 2
+        assert max_diff(ep, ref, skewed_ids(rank, 5, vocab)) <= ATOL
+        runtime = res.runtime
+    else:
+        assert res.runtime is None and ep.num_local_physical_experts == 0
+        assert all(t.numel() == 0 for ws in ep.expert_weights for t in ws)
+        runtime = None
+    res = resize_expert_parallel(ep, half, everyone, runtime=runtime,
+                                 config=None if rank in half else cfg)
+    assert ep.num_local_physical_experts == 3 and res.runtime.world_size == world
+    assert max_diff(ep, ref, skewed_ids(rank, 6, vocab)) <= ATOL
+    res.runtime.close()
+
+
+@pytest.mark.slow
+def test_resize_round_trip():
+    run_distributed(_resize_round_trip, 4, "qwen3_moe", timeout=240)
