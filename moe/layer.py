@@ -12,6 +12,7 @@ from .args import MoEArgs
 from .dispatch import combine, count_slots, dispatch, map_to_physical, weighted_sum
 from .experts import GroupedExperts, SharedExperts
 from .router import Router
+from .state import check_replica_cdf, check_state_rows
 from .weights import norm_weight_for
 
 
@@ -83,19 +84,10 @@ class MoELayer(nn.Module):
                        logical_replica_count: torch.Tensor) -> None:
         """Keep row `moe_layer_idx` of the runtime's [L, P], [L, N, R] and [L, N] tensors.
         Drops any registered replica weights: they belong to the maps they came with."""
-        P, N = self.num_physical_experts, self.num_logical_experts
-        device = self.experts.w13.device
-        checks = (("expert_load_view", expert_load_view, 2, P),
-                  ("logical_to_physical_map", logical_to_physical_map, 3, N),
-                  ("logical_replica_count", logical_replica_count, 2, N))
-        for name, t, ndim, width in checks:
-            if t.dim() != ndim or t.shape[1] != width or not 0 <= moe_layer_idx < t.shape[0]:
-                raise ValueError(f"{name}: shape {tuple(t.shape)} does not fit layer "
-                                 f"{moe_layer_idx} with P={P}, N={N}")
-            if t.device != device:
-                raise ValueError(f"{name}: on {t.device}, the layer's weights on {device}")
-            if t.dtype.is_floating_point:
-                raise ValueError(f"{name}: needs an integer dtype, got {t.dtype}")
+        check_state_rows(moe_layer_idx, expert_load_view, logical_to_physical_map,
+                         logical_replica_count, self.num_physical_experts,
+                         self.num_logical_experts, self.experts.w13.device,
+                         f"MoE layer {self.layer_idx}")
         self.moe_layer_idx = moe_layer_idx
         self.expert_load_view = expert_load_view[moe_layer_idx]
         self.logical_to_physical_map = logical_to_physical_map[moe_layer_idx]
@@ -112,17 +104,9 @@ class MoELayer(nn.Module):
         if self.logical_to_physical_map is None or moe_layer_idx != self.moe_layer_idx:
             raise RuntimeError("MoELayer: call set_eplb_state before set_eplb_replica_weights "
                                "(with the same moe_layer_idx)")
-        t, R = logical_replica_cdf, self.logical_to_physical_map.shape[-1]
-        if (t.dim() != 3 or t.shape[1:] != (self.num_logical_experts, R)
-                or not 0 <= moe_layer_idx < t.shape[0]):
-            raise ValueError(f"logical_replica_cdf: shape {tuple(t.shape)} does not fit layer "
-                             f"{moe_layer_idx} with N={self.num_logical_experts}, R={R}")
-        device = self.experts.w13.device
-        if t.device != device:
-            raise ValueError(f"logical_replica_cdf: on {t.device}, the layer's weights on {device}")
-        if not t.dtype.is_floating_point:
-            raise ValueError(f"logical_replica_cdf: needs a floating dtype, got {t.dtype}")
-        self.logical_replica_cdf = t[moe_layer_idx]
+        check_replica_cdf(moe_layer_idx, logical_replica_cdf, self.num_logical_experts,
+                          self.logical_to_physical_map.shape[-1], self.experts.w13.device)
+        self.logical_replica_cdf = logical_replica_cdf[moe_layer_idx]
 
     # ---- forward -----------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from eplb.protocol import replica_cdf
 
 from .args import MoEArgs
 from .layer import MoEBlock, MoELayer, RMSNorm
+from .state import check_num_layers
 from .weights import write_expert_slots
 
 
@@ -104,12 +105,9 @@ class MoEModel(nn.Module):
         registered replica weights (the layers split evenly until the next
         `set_eplb_replica_weights`).
         """
-        for name, t in (("expert_load_view", expert_load_view),
-                        ("logical_to_physical_map", logical_to_physical_map),
-                        ("logical_replica_count", logical_replica_count)):
-            if t.shape[0] != self.num_moe_layers:
-                raise ValueError(f"{name}: first dim {t.shape[0]} != num_moe_layers "
-                                 f"({self.num_moe_layers})")
+        check_num_layers(self.num_moe_layers, expert_load_view=expert_load_view,
+                         logical_to_physical_map=logical_to_physical_map,
+                         logical_replica_count=logical_replica_count)
         for i, layer in enumerate(self.moe_layers):
             layer.set_eplb_state(i, expert_load_view, logical_to_physical_map,
                                  logical_replica_count)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dispatch import combine, count_slots, dispatch, map_to_physical
+from ..state import check_replica_cdf, check_state_rows
 
 LOCAL_EXPERTS_ATTR = "_eplb_local_experts"  # set on a module whose slots are already cut:
 NUM_LOGICAL_ATTR = "_eplb_num_logical_experts"  # its logical experts (slot order) and N
@@ -146,18 +147,10 @@ class ExpertParallelExperts:
                        logical_replica_count: torch.Tensor) -> None:
         """Keep row `moe_layer_idx` of the runtime's [L, P], [L, N, R] and [L, N] tensors
         (views, not copies). Drops registered replica weights."""
-        P, N = self.num_physical_experts, self.num_logical_experts
-        device = self.get_expert_weights()[0].device
-        for label, t, ndim, width in (("expert_load_view", expert_load_view, 2, P),
-                                      ("logical_to_physical_map", logical_to_physical_map, 3, N),
-                                      ("logical_replica_count", logical_replica_count, 2, N)):
-            if t.dim() != ndim or t.shape[1] != width or not 0 <= moe_layer_idx < t.shape[0]:
-                raise ValueError(f"{label}: shape {tuple(t.shape)} does not fit layer "
-                                 f"{moe_layer_idx} with P={P}, N={N}")
-            if t.device != device:
-                raise ValueError(f"{label}: on {t.device}, the experts of {self.name} on {device}")
-            if t.dtype.is_floating_point:
-                raise ValueError(f"{label}: needs an integer dtype, got {t.dtype}")
+        check_state_rows(moe_layer_idx, expert_load_view, logical_to_physical_map,
+                         logical_replica_count, self.num_physical_experts,
+                         self.num_logical_experts, self.get_expert_weights()[0].device,
+                         self.name)
         self.moe_layer_idx = moe_layer_idx
         self.expert_load_view = expert_load_view[moe_layer_idx]
         self.logical_to_physical_map = logical_to_physical_map[moe_layer_idx]
@@ -172,14 +165,9 @@ class ExpertParallelExperts:
             return
         if self.logical_to_physical_map is None or moe_layer_idx != self.moe_layer_idx:
             raise RuntimeError(f"{self.name}: call set_eplb_state before set_eplb_replica_weights")
-        t, R = logical_replica_cdf, self.logical_to_physical_map.shape[-1]
-        if t.dim() != 3 or t.shape[1:] != (self.num_logical_experts, R) \
-                or not 0 <= moe_layer_idx < t.shape[0]:
-            raise ValueError(f"logical_replica_cdf: shape {tuple(t.shape)} does not fit layer "
-                             f"{moe_layer_idx} with N={self.num_logical_experts}, R={R}")
-        if t.device != self.logical_to_physical_map.device or not t.dtype.is_floating_point:
-            raise ValueError(f"logical_replica_cdf: needs a floating tensor on "
-                             f"{self.logical_to_physical_map.device}, got {t.dtype} on {t.device}")
+        check_replica_cdf(moe_layer_idx, logical_replica_cdf, self.num_logical_experts,
+                          self.logical_to_physical_map.shape[-1],
+                          self.logical_to_physical_map.device)
         self.logical_replica_cdf = logical_replica_cdf[moe_layer_idx]
 
     # ---- forward -----------------------------------------------------------------

@@ -9,6 +9,7 @@ from torch import nn
 from eplb.placement import Placement
 
 from ..model import eplb_state_for
+from ..state import check_num_layers
 from .experts import (LOCAL_EXPERTS_ATTR, NUM_LOGICAL_ATTR, ExpertParallelExperts, find_experts_modules,
                       keep_local_slots, slot_experts, stacked_names)
 
@@ -121,12 +122,9 @@ class ExpertParallelModel(nn.Module):
         """Register row views of the runtime's expert_load_view [L, P],
         logical_to_physical_map [L, N, R] and logical_replica_count [L, N] with every
         layer and refill `expert_weights` (same list object)."""
-        for label, t in (("expert_load_view", expert_load_view),
-                         ("logical_to_physical_map", logical_to_physical_map),
-                         ("logical_replica_count", logical_replica_count)):
-            if t.shape[0] != self.num_moe_layers:
-                raise ValueError(f"{label}: first dim {t.shape[0]} != num_moe_layers "
-                                 f"({self.num_moe_layers})")
+        check_num_layers(self.num_moe_layers, expert_load_view=expert_load_view,
+                         logical_to_physical_map=logical_to_physical_map,
+                         logical_replica_count=logical_replica_count)
         for i, layer in enumerate(self.moe_layers):
             layer.set_eplb_state(i, expert_load_view, logical_to_physical_map,
                                  logical_replica_count)
