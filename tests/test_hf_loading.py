@@ -155,3 +155,19 @@ def test_unknown_architecture_name():
 def test_redundant_count_must_be_an_int():
     with pytest.raises(ValueError, match="num_redundant_experts"):
         expert_parallel(tiny_model("qwen3_moe", num_layers=1), -1)
+
+
+def test_full_expert_tensors_are_freed():
+    """expert_parallel keeps [S, ...] copies of the local rows; nothing holds the full
+    [N, ...] tensors afterwards (biases included), so their memory goes back."""
+    import gc
+    import weakref
+
+    model = tiny_model("gpt_oss", num_layers=1)
+    experts = model.model.layers[0].mlp.experts
+    full = {n: weakref.ref(p) for n, p in experts.named_parameters(recurse=False)}
+    assert set(full) == {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}
+    ep = expert_parallel(model, 0)
+    gc.collect()
+    assert [n for n, ref in full.items() if ref() is not None] == []
+    assert [t.shape[0] for t in ep.expert_weights[0]] == [8, 8, 8, 8]
