@@ -331,8 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"eplb {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    d = sub.add_parser("demo", help="run the reference MoE model under a skewed load with EPLB",
+    d = sub.add_parser("demo", help="run the reference MoE model (or --model NAME, a tiny "
+                                    "transformers model) under a skewed load with EPLB",
                        description="Launch N ranks (like torchrun) running the reference MoE model "
+                                   "(or with --model NAME a tiny random transformers MoE model) "
                                    "under a skewed, drifting routing load, rebalanced on schedule.")
     d.add_argument("--nproc", type=_positive("--nproc"), default=None,
                    help="ranks to launch (default 4 on cpu, one per visible GPU on cuda)")

@@ -3,6 +3,7 @@ rebalanced by EplbRuntime on schedule. One process per rank.
 
     eplb demo --nproc 4                                  # launches the ranks for you
     torchrun --nproc-per-node 4 -m eplb.demo --steps 200 # the same job under torchrun
+    eplb demo --model qwen3_moe --verify                 # a tiny transformers model (eplb.demo_hf)
 
 This is the application layer: the only `eplb` module that imports `moe`.
 """
@@ -39,7 +40,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="rebalance in the background while serving (EplbConfig.async_rebalance)")
     p.add_argument("--verify", action="store_true",
                    help="after every rebalance check outputs against the dense reference "
-                        "and every slot bitwise against its expert's weights")
+                        "and every slot bitwise against its expert's weights (with --model: "
+                        "see --model)")
     p.add_argument("--json", metavar="FILE", help="write per-step records to FILE")
     p.add_argument("--trace", metavar="NAME|PATH",
                    help="replay a measured [T, L, N] trace ('esft' is packaged) instead of "
@@ -65,6 +67,23 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drift-period", type=int, default=200,
                    help="steps per regime of the synthetic load (default 200)")
     p.add_argument("--seed", type=int, default=0)
+    h = p.add_argument_group("a transformers model instead of the reference model (needs "
+                             "pip install -e '.[hf]')")
+    h.add_argument("--model", metavar="NAME", default=None,
+                   help="run a tiny random transformers MoE model of architecture NAME (one of "
+                        f"{', '.join(HF_ARCHITECTURES)}) made expert-parallel by moe.hf; its "
+                        "sizes are --layers --experts --top-k --hidden --intermediate; the "
+                        "load is token ids drawn from a drifting Zipf distribution over the "
+                        "vocabulary (--skew, --drift-period); --verify compares the logits with "
+                        f"the unmodified model at every step (max |diff| <= {HF_FP32_TOLERANCE:g} in "
+                        f"float32; <= {HF_BF16_TOLERANCE:g} in bfloat16, where the unmodified model "
+                        "is itself up to 0.19 from its float32 logits), every slot bitwise after "
+                        "each rebalance, and a greedy generate() of 8 tokens at the end (token for "
+                        "token in float32; bfloat16 flips near-tie tokens of a random model, so "
+                        "there they are only counted)")
+    h.add_argument("--seq-len", type=int, default=32,
+                   help="with --model: tokens per sequence; --tokens / --seq-len sequences per "
+                        "rank per step (default 32)")
     m = p.add_argument_group("metrics and HTTP trigger (rank 0 serves them)")
     m.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics, /healthz, /placement and POST /rebalance on "
@@ -87,9 +106,12 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_demo_arguments(a: argparse.Namespace) -> None:
     """Fill defaults and reject impossible values with a one-line ValueError."""
-    for name in ("steps", "layers", "hidden", "intermediate", "tokens", "groups", "trace_window"):
+    for name in ("steps", "layers", "hidden", "intermediate", "tokens", "groups", "trace_window",
+                 "seq_len"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(a, name)}")
+    if a.model is not None:
+        check_model_arguments(a)
     if a.rebalance_every < 0:
         raise ValueError(f"--rebalance-every: must be >= 0 (0 = never), got {a.rebalance_every}")
     if a.metrics_port is None:
@@ -112,6 +134,47 @@ def check_demo_arguments(a: argparse.Namespace) -> None:
     a.window = a.window or max(1, a.rebalance_every)
 
 
+# `eplb demo --model NAME`: the architectures of moe.hf.configs (kept here so that the
+# parser needs no import of moe; tests/test_hf_demo.py checks they are the same)
+HF_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")
+# --verify with --model: logits max |diff|. In bfloat16 the unmodified model itself is up
+# to 0.19 from its float32 self on the tiny configs (gpt_oss; the others <= 0.13)
+HF_FP32_TOLERANCE, HF_BF16_TOLERANCE = 1e-5, 0.25
+HF_INSTALL = "pip install -e '.[hf]'"
+
+
+def check_model_arguments(a: argparse.Namespace) -> None:
+    """--model: a known architecture, transformers 5 importable, options that apply."""
+    if a.model not in HF_ARCHITECTURES:
+        raise ValueError(f"--model: {a.model!r} is not one of {', '.join(HF_ARCHITECTURES)}")
+    if a.trace:
+        raise ValueError("--trace replays expert loads into the reference model's router; "
+                         "with --model the load comes from the token ids (--skew, --drift-period)")
+    if a.groups != 1:
+        raise ValueError("--groups: the transformers model routes as its config says "
+                         "(deepseek_v3: 4 groups when --experts is a multiple of 4); drop --groups")
+    if a.device != "cpu":
+        raise ValueError("--model runs on --device cpu only")
+    if a.hidden % 4:
+        raise ValueError(f"--hidden: must be a multiple of 4 (attention heads) with --model, got {a.hidden}")
+    if a.tokens % a.seq_len:
+        raise ValueError(f"--tokens {a.tokens} is not a multiple of --seq-len {a.seq_len}")
+    if a.seq_len > 500:  # the tiny configs have 512 positions; --verify generates 8 more
+        raise ValueError(f"--seq-len: at most 500 with --model, got {a.seq_len}")
+    import importlib.util
+    from importlib.metadata import PackageNotFoundError, version
+
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError(f"--model needs transformers, which is not installed: {HF_INSTALL}")
+    try:
+        major = int(version("transformers").split(".")[0])
+    except (PackageNotFoundError, ValueError):
+        major = None
+    if major is not None and major < 5:
+        raise ValueError(f"--model needs transformers >= 5, found {version('transformers')}: "
+                         f"{HF_INSTALL}")
+
+
 def setup(a: argparse.Namespace, world: int):
     """EPLB config, model args and workload for `world` ranks; a one-line ValueError on bad
     input. Needs no process group: `eplb demo` calls it before launching any rank."""
@@ -122,6 +185,8 @@ def setup(a: argparse.Namespace, world: int):
                         rebalance_interval=a.rebalance_every, policy=a.policy,
                         async_rebalance=a.async_rebalance, min_gain=a.min_gain)
     config.verify(a.experts, world)  # config errors first: they name the EPLB fields
+    if a.model:  # the transformers model is built on the ranks (eplb.demo_hf)
+        return config, None, None
     args = MoEArgs(hidden_size=a.hidden, intermediate_size=a.intermediate, num_layers=a.layers,
                    num_experts=a.experts, top_k=a.top_k, num_redundant_experts=redundant,
                    num_expert_groups=a.groups, topk_groups=max(1, a.groups // 2) if a.groups > 1 else 1,
@@ -166,40 +231,82 @@ def verify(args, model, reference, runtime, x: torch.Tensor) -> tuple[float, int
     return diff, bad
 
 
+class ReferenceJob:
+    """The reference MoE model (`moe.MoEModel`) driven by the synthetic or trace workload
+    through its router's selection bias; `--verify` compares it with the dense model."""
+
+    def __init__(self, a: argparse.Namespace, group, device: torch.device):
+        self.a, self.device = a, device
+        self.args, self.model, self.runtime, self.reference, self.workload = build(a, group, device)
+        self.gen = torch.Generator(device="cpu").manual_seed(a.seed * 100_003 + self.runtime.rank)
+        self.tolerance = 1e-4 if self.args.dtype == torch.float32 else 2e-2  # bf16: ~3 significant digits
+        self.x: torch.Tensor | None = None  # [T, H] this step's batch
+
+    def describe(self) -> str:
+        a, args = self.a, self.args
+        return (f"{a.layers} MoE layers x {a.experts} experts "
+                f"(top-{args.top_k}), {args.num_physical_experts} slots, {a.tokens} tokens/rank/step, "
+                f"workload={'trace ' + a.trace if a.trace else 'synthetic drifting Zipf'}")
+
+    def forward(self, step: int) -> float | None:
+        """One forward of this step's batch; no per-step check (None)."""
+        a, device = self.a, self.device
+        bias = torch.from_numpy(routing_bias(self.workload.popularity(step), DEMO_BIAS_STRENGTH)).float()
+        self.model.set_routing_bias(bias.to(device))
+        if self.reference is not None:
+            self.reference.set_routing_bias(bias.to(device))
+        self.x = torch.randn(a.tokens, a.hidden, generator=self.gen).to(device=device, dtype=self.args.dtype)
+        with torch.no_grad():
+            self.model(self.x)
+        return None
+
+    def verify(self) -> tuple[float, int]:
+        """After a rebalance: (output diff on this step's batch, bad slots), this rank's."""
+        return verify(self.args, self.model, self.reference, self.runtime, self.x)
+
+    def finish(self) -> tuple[str, bool, dict] | None:
+        """The check at the end of the run: none here."""
+        return None
+
+
 def run(a: argparse.Namespace) -> int:
     group = dist.group.WORLD
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if a.device == "cuda" \
         else torch.device("cpu")
-    args, model, runtime, reference, workload = build(a, group, device)
-    L, M = a.layers, world
-    static = Placement.initial(L, a.experts, args.num_physical_experts, M)
-    gen = torch.Generator(device="cpu").manual_seed(a.seed * 100_003 + rank)
+    if a.model:
+        from eplb.demo_hf import HFJob
+
+        config, _, _ = setup(a, world)
+        tolerance = HF_BF16_TOLERANCE if a.dtype == "bfloat16" else HF_FP32_TOLERANCE
+        job = HFJob(a, config, tolerance, group, device)
+    else:
+        job = ReferenceJob(a, group, device)
+    runtime = job.runtime
+    L, M, N = runtime.model.num_moe_layers, world, runtime.model.num_logical_experts
+    static = Placement.initial(L, N, runtime.model.num_physical_experts, M)
     records, t_start = [], time.perf_counter()
     bar = ProgressBar(a.steps, label="demo") if rank == 0 else None
     if rank == 0:
         print(f"eplb demo: {world} ranks on {a.device}, {runtime.config.num_nodes} node{'s' if runtime.config.num_nodes != 1 else ''}, "
-              f"{L} MoE layers x {a.experts} experts "
-              f"(top-{args.top_k}), {args.num_physical_experts} slots, {a.tokens} tokens/rank/step, "
-              f"workload={'trace ' + a.trace if a.trace else 'synthetic drifting Zipf'}, "
-              f"policy={a.policy}, rebalance every {a.rebalance_every} steps", flush=True)
+              f"{job.describe()}, policy={a.policy}, rebalance every {a.rebalance_every} steps", flush=True)
     server = start_metrics(a, runtime, device)  # --metrics-port; collective
     for step in range(a.steps):
-        bias = torch.from_numpy(routing_bias(workload.popularity(step), DEMO_BIAS_STRENGTH)).float()
-        model.set_routing_bias(bias.to(device))
-        if reference is not None:
-            reference.set_routing_bias(bias.to(device))
-        x = torch.randn(a.tokens, a.hidden, generator=gen).to(device=device, dtype=args.dtype)
-        with torch.no_grad():
-            model(x)
+        step_diff = job.forward(step)  # all ranks agree on it (None: no per-step check)
         # measure this step before runtime.step() folds it into the window
         cur = torch.cat([runtime.expert_load_pass.view(L, M, -1).sum(-1),  # [L, M]
-                         torch.zeros(L, a.experts, dtype=torch.int64, device=device)
+                         torch.zeros(L, N, dtype=torch.int64, device=device)
                          .scatter_add_(1, runtime.physical_to_logical, runtime.expert_load_pass)], 1)
         dist.all_reduce(cur)
         cur = cur.cpu().numpy()
         bal = balancedness_of_gpu_loads(cur[:, :M])  # [L] what EPLB achieved
         bal_static = static.balancedness(cur[:, M:])  # [L] the same step with no balancer
+        if step_diff is not None and not step_diff <= job.tolerance:
+            if rank == 0:
+                bar.close()
+                print(f"eplb demo: error: verification failed at step {step + 1}: max |diff| "
+                      f"{step_diff:.1e} > tolerance {job.tolerance:.0e}", file=sys.stderr)
+            return 1
         try:
             event = runtime.step()
         except EplbFatalError as e:
@@ -208,6 +315,10 @@ def run(a: argparse.Namespace) -> int:
         rec = {"step": step, "balancedness": bal.round(5).tolist(),
                "balancedness_static": bal_static.round(5).tolist(),
                "gpu_load": cur[:, :M].tolist(), "rebalance": None}  # gpu_load [L, M] tokens
+        if a.model:  # its tests recompute the static baseline from the logical load
+            rec["expert_load"] = cur[:, M:].tolist()  # [L, N] tokens
+        if step_diff is not None:
+            rec["verify_max_abs_diff"] = step_diff
         if event is not None:
             rec["rebalance"] = {
                 "trigger": event.trigger, "experts_moved": event.experts_moved,
@@ -222,15 +333,14 @@ def run(a: argparse.Namespace) -> int:
             }
             rec["rebalance"].update(skipped=event.skipped, predicted_gain=event.predicted_gain)
             line = demo_line(step, event)
-            if reference is not None:
-                diff, bad = verify(args, model, reference, runtime, x)
+            if a.verify:
+                diff, bad = job.verify()
                 t = torch.tensor([diff, float(bad)], dtype=torch.float64, device=device)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 diff, bad = float(t[0]), int(t[1])
                 rec["rebalance"]["verify_max_abs_diff"] = diff
                 rec["rebalance"]["verify_bad_slots"] = bad
-                tol = 1e-4 if args.dtype == torch.float32 else 2e-2  # bf16: ~3 significant digits
-                ok = bad == 0 and diff <= tol
+                ok = bad == 0 and diff <= job.tolerance
                 line += f" | verify: max |diff| {diff:.1e}, bad slots {bad} {'OK' if ok else 'FAILED'}"
                 if not ok:
                     if rank == 0:
@@ -243,10 +353,16 @@ def run(a: argparse.Namespace) -> int:
         if rank == 0:
             bar.update(1, suffix=f"balancedness {bal.mean():.3f} (static {bal_static.mean():.3f})")
     runtime.finish_rebalance()  # every rank: an asynchronous rebalance still in flight ends here
+    seconds = time.perf_counter() - t_start
+    final = job.finish()  # collective: (line, ok, JSON record) or None
     if rank == 0:
         bar.close()
-        summarize(records, time.perf_counter() - t_start, a,
-                  job={"world_size": world, "num_nodes": runtime.config.num_nodes})
+        summarize(records, seconds, a, job={"world_size": world, "num_nodes": runtime.config.num_nodes},
+                  verify_line=final[0] if final else None, verify_record=final[2] if final else None)
+    if final is not None and not final[1]:
+        if rank == 0:
+            print("eplb demo: error: verification failed at the end of the run", file=sys.stderr)
+        return 1
     if server is not None:  # rank 0
         if a.metrics_hold > 0:
             print(f"eplb demo: serving {server.url}/metrics for {a.metrics_hold:g} s more", flush=True)
@@ -302,8 +418,10 @@ def start_metrics(a: argparse.Namespace, runtime: EplbRuntime, device: torch.dev
 
 
 def summarize(records: list[dict], seconds: float, a: argparse.Namespace,
-              job: dict | None = None) -> None:
-    """Print the before/after figures and write --json."""
+              job: dict | None = None, verify_line: str | None = None,
+              verify_record: dict | None = None) -> None:
+    """Print the before/after figures (and `verify_line`) and write --json (with
+    `verify_record` under "verify")."""
     first = next((r["step"] for r in records if r["rebalance"]), None)
     bal = np.array([np.mean(r["balancedness"]) for r in records])
     static = np.array([np.mean(r["balancedness_static"]) for r in records])
@@ -319,10 +437,15 @@ def summarize(records: list[dict], seconds: float, a: argparse.Namespace,
         print(f"mean balancedness (mean/max GPU load, 1.0 = perfect) after the first rebalance: "
               f"EPLB {bal[after].mean():.4f} vs static placement {static[after].mean():.4f} "
               f"(imbalance max/mean {1 / bal[after].mean():.3f} vs {1 / static[after].mean():.3f})")
+    if verify_line:
+        print(verify_line)
     if a.json:
+        out = {"args": {k: v for k, v in vars(a).items() if k != "func"}, "run": job or {},
+               "steps": records}
+        if verify_record is not None:
+            out["verify"] = verify_record
         with open(a.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(a).items() if k != "func"},
-                       "run": job or {}, "steps": records}, f)
+            json.dump(out, f)
         print(f"wrote {a.json}")
 
 
