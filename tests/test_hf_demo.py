@@ -4,7 +4,9 @@ records (per-GPU and per-expert loads), independently of the demo's own arithmet
 from __future__ import annotations
 
 import json
+import re
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -124,28 +126,57 @@ def test_hf_demo_verify_figures(tmp_path, arch, dtype):
     assert time.monotonic() - t0 < 120
 
 
-# Loaded at start-up of every process whose PYTHONPATH holds its directory: on rank 1 the
-# expert-parallel layers add 1e-3 to their output (a wrong expert result)
-PERTURB = """
-import os
-if os.environ.get("RANK") == "1":
-    from moe.hf import experts as _experts
-    _forward = _experts.ExpertParallelExperts.forward
-    _experts.ExpertParallelExperts.forward = lambda self, *a, **k: _forward(self, *a, **k) + 1e-3
-"""
+# Loaded at start-up of every process whose PYTHONPATH holds its directory; on rank 1 only:
+#   step:     the expert-parallel layers add 1e-3 to their output at every forward
+#   generate: ... scale it by -20 in decoding forwards only (fewer rows than a step's 64)
+#   weights:  after the first rebalance one slot's weights get 1e-3 added
+PERTURB = {
+    "step": """
+from moe.hf import experts as _e
+_f = _e.ExpertParallelExperts.forward
+_e.ExpertParallelExperts.forward = lambda self, x, *a: _f(self, x, *a) + 1e-3
+""",
+    "generate": """
+from moe.hf import experts as _e
+_f = _e.ExpertParallelExperts.forward
+_e.ExpertParallelExperts.forward = lambda self, x, *a: _f(self, x, *a) * (-20 if x.shape[0] < 64 else 1)
+""",
+    "weights": """
+import torch
+from eplb import runtime as _r
+_s = _r.EplbRuntime.step
+def _step(self):
+    event = _s(self)
+    if event is not None and self.events[:1] == [event]:
+        with torch.no_grad():
+            self.expert_weights[0][0][0].add_(1e-3)
+    return event
+_r.EplbRuntime.step = _step
+""",
+}
+EXPECTED = {"step": "verification failed at step 1: max |diff| ",
+            "generate": "verification failed at the end of the run",
+            "weights": "verification failed after a rebalance"}
 
 
-def test_hf_demo_verify_fails_on_a_wrong_expert_output(tmp_path):
+@pytest.mark.parametrize("fault", list(PERTURB))
+def test_hf_demo_verify_catches_a_wrong_result(tmp_path, fault):
     hook = tmp_path / "perturb"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(PERTURB)
-    r = run(EPLB + ["demo", "--model", "qwen3_moe", "--nproc", "2", "--steps", "4", "--verify",
-                    *sizes_argv()], PYTHONPATH=f"{hook}:{ROOT}")
-    assert r.returncode == 1, (r.returncode, r.stderr)
+    (hook / "sitecustomize.py").write_text(
+        'import os\nif os.environ.get("RANK") == "1":\n' + textwrap.indent(PERTURB[fault], "    "))
+    r = run(EPLB + ["demo", "--model", "qwen3_moe", "--nproc", "2", "--steps", "4",
+                    "--rebalance-every", "2", "--min-gain", "0", "--verify", *sizes_argv()],
+            PYTHONPATH=f"{hook}:{ROOT}")
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("eplb demo: error: ")]
-    assert len(errors) == 1 and errors[0].startswith(
-        "eplb demo: error: verification failed at step 1: max |diff| "), r.stderr
-    assert "steps in" not in r.stdout
+    assert len(errors) == 1 and errors[0].startswith("eplb demo: error: " + EXPECTED[fault]), r.stderr
+    if fault == "weights":  # caught at the rebalance, by the bitwise slot check
+        assert "step     2 rebalance" in r.stdout and "bad slots 1 FAILED" in r.stdout, r.stdout
+    if fault == "generate":  # the logits of every step were right; the tokens were not
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith("verify: "))
+        assert float(re.search(r"logits max \|diff\| (\S+) ", line)[1]) <= 1e-5, line
+        assert "tokens as the unmodified model FAILED" in line and " 64/64 " not in line, line
 
 
 def test_hf_demo_bad_input_exits_2_with_one_line(tmp_path):
