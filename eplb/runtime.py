@@ -29,7 +29,7 @@ from eplb.planning import plan, predicted_gain, worth_moving
 from eplb.protocol import MixtureOfExperts, missing_members, replica_cdf, supports_replica_weights
 from eplb.recorder import LoadRecorder
 from eplb.placement_change import EplbFatalError, PlacementChange, RebalanceError
-from eplb.transfer import make_transport, transfer_stats
+from eplb.transfer import make_transport, slot_checksums, transfer_stats
 
 log = logging.getLogger("eplb.runtime")
 
@@ -165,8 +165,7 @@ class EplbRuntime:
         if self.replica_weights_supported:
             model.set_eplb_replica_weights(self.logical_replica_cdf)
         self.expert_weights = [list(w) for w in model.expert_weights]  # L lists of [S, ...] tensors
-        self._check_expert_weights(S)
-        self.bytes_per_expert = sum(w.numel() // S * w.element_size() for w in self.expert_weights[0])
+        problem = self._expert_weights_problem(S)  # this rank's; all ranks agree below
 
         self.recorder = LoadRecorder(L, N, self.world_size, S, self.config.window_size, self.device)
         self.steps = 0
@@ -186,6 +185,15 @@ class EplbRuntime:
             # a gloo group of its own, so the thread never launches an NCCL kernel beside the
             # model's and never shares a group with the step loop's agreements
             self._plan_group = control_group(group, self.config.transfer_timeout)
+        try:
+            self._check_registration(problem)  # collective: every rank raises alike
+        except ValueError:
+            for g in (self._plan_group, self._control_group):
+                if g is not None:
+                    dist.destroy_process_group(g)
+            raise
+        self.bytes_per_expert = sum(w.numel() // S * w.element_size() for w in self.expert_weights[0])
+        if self.world_size > 1:
             self._transfer_group = self._new_transfer_group()
         # the first window sum launches its kernels for the first time (on a GPU, lazy
         # module loading): do it now rather than inside the step that starts a rebalance
@@ -255,15 +263,93 @@ class EplbRuntime:
                 return p.device
         return torch.device("cpu")
 
-    def _check_expert_weights(self, S: int) -> None:
-        if len(self.expert_weights) != self.model.num_moe_layers:
-            raise ValueError(f"model.expert_weights has {len(self.expert_weights)} layers after "
-                             f"set_eplb_state, expected num_moe_layers={self.model.num_moe_layers}")
+    def _expert_weights_problem(self, S: int) -> str | None:
+        """What is wrong with this rank's registered expert tensors, or None: one list of
+        tensors per MoE layer, each `[S, ...]`, sharing memory with the tensors the layer
+        itself returns (`get_expert_weights`, when the layer has it)."""
+        L = self.model.num_moe_layers
+        if len(self.expert_weights) != L:
+            return (f"model.expert_weights has {len(self.expert_weights)} layers after "
+                    f"set_eplb_state, expected num_moe_layers={L}")
         for i, ws in enumerate(self.expert_weights):
-            for t in ws:
-                if t.shape[0] != S:
-                    raise ValueError(f"expert_weights[{i}] holds a tensor of shape {tuple(t.shape)}; "
-                                     f"dim 0 must be num_local_physical_experts={S}")
+            if not ws:
+                return f"expert_weights[{i}] holds no tensor: register the layer's expert tensors"
+            for j, t in enumerate(ws):
+                if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != S:
+                    shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    return (f"expert_weights[{i}][{j}] has shape {shape}; dim 0 must be the "
+                            f"local slot count num_local_physical_experts={S} (one row per "
+                            f"slot this rank holds)")
+        layers = list(self.model.moe_layers)
+        if len(layers) != L:
+            return None
+        for i, (layer, ws) in enumerate(zip(layers, self.expert_weights)):
+            get = getattr(layer, "get_expert_weights", None)
+            if not callable(get):
+                continue
+            used = {u.untyped_storage().data_ptr() for u in get()}
+            for j, t in enumerate(ws):
+                if t.untyped_storage().data_ptr() not in used:
+                    return (f"expert_weights[{i}][{j}] shares no memory with the tensors "
+                            f"moe_layers[{i}].get_expert_weights() returns: the runtime would "
+                            f"move weights the layer never reads; register the layer's own "
+                            f"tensors (or views of them), not copies")
+        return None
+
+    def _check_registration(self, problem: str | None) -> None:
+        """Raise the same ValueError on every rank when any rank's expert tensors do not
+        fit (`problem`) or when replicas of one expert are not bitwise equal in the
+        start-up layout (slot p holds expert p mod N). Collective over the plan group:
+        one all_gather of [2] ints, then one of per-slot checksums [L, S, T] int64 (only
+        when some expert has replicas)."""
+        L, N, P = self.placement.num_layers, self.placement.num_logical_experts, self.placement.num_slots
+        M, S = self.world_size, P // self.world_size
+        T = 0 if problem else max(len(ws) for ws in self.expert_weights)  # tensors per layer
+        if M > 1:
+            heads = self._gather(torch.tensor([problem is not None, T], dtype=torch.int64))  # [M, 2]
+            bad = [r for r in range(M) if heads[r, 0]]
+            if bad and problem is None:
+                problem = (f"rank(s) {bad} registered expert weights that do not fit (see the "
+                           f"error there)")
+            elif not bad and len(set(heads[:, 1].tolist())) > 1:
+                problem = (f"ranks register different numbers of expert tensors per layer: "
+                           f"{heads[:, 1].tolist()} (rank by rank)")
+        if problem:
+            raise ValueError(f"EplbRuntime{f' (rank {self.rank})' if M > 1 else ''}: {problem}")
+        if P == N:  # no expert has a replica
+            return
+        mine = torch.zeros(L, S, T, dtype=torch.int64, device=self.device)  # [L, S, T]
+        for i, ws in enumerate(self.expert_weights):
+            for j, w in enumerate(ws):
+                mine[i, :, j] = slot_checksums([w]).to(self.device)  # [S]
+        mine = mine.cpu()
+        every = self._gather(mine) if M > 1 else mine[None]  # [M, L, S, T]
+        cs = every.permute(1, 0, 2, 3).reshape(L, P, T).numpy()  # [L, P, T]
+        mismatches = []  # (layer, expert, tensor, slots that differ from the expert's first)
+        for i in range(L):
+            for e in range(min(N, P - N)):  # experts with more than one replica
+                slots = np.arange(e, P, N)  # [replicas of e]
+                for j in range(T):
+                    differ = slots[cs[i, slots, j] != cs[i, e, j]]
+                    if differ.size:
+                        mismatches.append((i, e, j, differ.tolist()))
+        if mismatches:
+            i, e, j, differ = mismatches[0]
+            more = f" ({len(mismatches)} such mismatches in all)" if len(mismatches) > 1 else ""
+            raise ValueError(
+                f"EplbRuntime: replicas of one expert are not bitwise equal: layer {i}, "
+                f"expert {e}: tensor {j} (expert_weights[{i}][{j}]) of slot(s) {differ} "
+                f"(rank(s) {[p // S for p in differ]}) differs from slot {e} (rank {e // S})"
+                f"{more}. At start-up slot p must hold logical expert p mod N (N={N}, "
+                f"P={P} slots, rank r holds slots [r*S, (r+1)*S), S={S}), the layout of "
+                f"Placement.initial: fill the slots in that order, with the same weights for "
+                f"every replica, before creating the runtime")
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """All ranks' `t` (CPU) stacked, over the plan group: [M, *t.shape]."""
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t, group=self._plan_group)
+        return torch.stack(parts)
 
     def add_listener(self, fn: Callable[[RebalanceEvent], None]) -> None:
         """Call `fn(event)` after every rebalance (the hook metrics attach to)."""
