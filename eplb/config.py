@@ -44,6 +44,12 @@ class EplbConfig:
     whenever the plan differs from the placement in force (a plan equal to it is always
     skipped: nothing to gain). Does not apply to `apply_placement()`. Default chosen on
     the shared traces (benchmarks/README.md, "Skipping rebalances that gain too little")."""
+    zero_load_warn_steps: int = 100
+    """At this step, warn once (rank 0) if no rank recorded any load in its window yet:
+    the model is not adding the tokens each slot receives into `expert_load_view`
+    (one host read and one agreement, at that step only). 0 = never. Whatever this
+    says, a rebalance whose window is all zero plans nothing: it is skipped ("no load
+    recorded") and moves nothing."""
     weighted_replicas: bool = False
     """Let the planner give replicas unequal shares of their expert's tokens."""
     control_interval: int = 10
@@ -118,6 +124,10 @@ class EplbConfig:
         if not isinstance(self.move_tolerance, (int, float)) or not 0 <= self.move_tolerance < 10:
             raise ValueError(f"move_tolerance must be in [0, 10), got {self.move_tolerance!r}")
         check_min_gain(self.min_gain)
+        if (isinstance(self.zero_load_warn_steps, bool) or not isinstance(self.zero_load_warn_steps, int)
+                or self.zero_load_warn_steps < 0):
+            raise ValueError(f"zero_load_warn_steps must be an int >= 0 (0 = never warn), "
+                             f"got {self.zero_load_warn_steps!r}")
         if not isinstance(self.weighted_replicas, bool):
             raise ValueError(f"weighted_replicas must be a bool, got {self.weighted_replicas!r}")
         if not isinstance(self.control_interval, int) or self.control_interval < 0:

@@ -40,6 +40,10 @@ class LoadRecorder:
         self.steps_recorded += 1
         self.gpu_steps += 1
 
+    def any_load(self) -> bool:
+        """Whether this rank's window holds any load (one host read: not for every step)."""
+        return bool(self.logical_ring.any())
+
     def last_gpu_load(self) -> torch.Tensor:  # [L, M]
         """This rank's per-GPU counts of the most recent step (not reduced over ranks)."""
         return self.gpu_ring[(self.steps_recorded - 1) % self.window_size]

@@ -33,6 +33,8 @@ from eplb.transfer import make_transport, slot_checksums, transfer_stats
 
 log = logging.getLogger("eplb.runtime")
 
+NO_LOAD = "no load recorded (the window is all zero: the model added nothing into expert_load_view)"
+
 
 __all__ = ["EplbRuntime", "RebalanceEvent", "RebalanceError", "EplbFatalError"]
 
@@ -77,6 +79,7 @@ class RebalanceEvent:
     predicted_gain: float = 0.0
     skipped: bool = False
     min_gain: float = 0.0
+    skip_reason: str = ""  # set when skipped for another reason than the gain (NO_LOAD)
 
     @property
     def seconds(self) -> float:
@@ -93,9 +96,10 @@ class RebalanceEvent:
         head = f"rebalance at step {self.step} ({self.trigger})"
         before = float(np.mean(self.balancedness_before))
         if self.skipped:
-            why = (f"nothing to gain (predicted gain {self.predicted_gain:+.4f})"
-                   if self.predicted_gain <= 0
-                   else f"predicted gain {self.predicted_gain:+.4f} < min gain {self.min_gain:.4f}")
+            why = self.skip_reason or (
+                f"nothing to gain (predicted gain {self.predicted_gain:+.4f})"
+                if self.predicted_gain <= 0
+                else f"predicted gain {self.predicted_gain:+.4f} < min gain {self.min_gain:.4f}")
             return f"{head} skipped: {why}; balancedness {before:.4f}, nothing moved"
         return (f"{head}: balancedness {before:.4f} -> {float(np.mean(self.balancedness_after)):.4f} "
                 f"(predicted), {self.experts_moved} experts moved ({self.bytes_moved / 1e6:.2f} MB) "
@@ -106,7 +110,7 @@ class RebalanceEvent:
         """JSON-ready figures of this rebalance (no placement)."""
         return {
             "step": self.step, "trigger": self.trigger, "outcome": self.outcome,
-            "skipped": self.skipped,
+            "skipped": self.skipped, "skip_reason": self.skip_reason,
             "balancedness_before": float(np.mean(self.balancedness_before)),
             "balancedness_after": float(np.mean(self.balancedness_after)),
             "predicted_gain": self.predicted_gain, "min_gain": self.min_gain,
@@ -393,6 +397,8 @@ class EplbRuntime:
             raise RuntimeError("this EplbRuntime was closed (close())")
         self.recorder.record(self.expert_load_pass, self.physical_to_logical)
         self.steps += 1
+        if self.steps == self.config.zero_load_warn_steps:  # once (0 = never)
+            self._warn_if_no_load()
         for hook in self._step_hooks:
             hook(self)
         if self._change is not None:
@@ -403,6 +409,19 @@ class EplbRuntime:
         if interval and self.steps % interval == 0:
             return self._start("interval")
         return None
+
+    def _warn_if_no_load(self) -> None:
+        """Warn once (rank 0) when no rank recorded any load so far: the model is not
+        counting into `expert_load_view`. One host read and, with several ranks, one
+        agreement on the control group, at this one step."""
+        seen = self.recorder.any_load()
+        if self.world_size > 1:
+            seen = agree(seen, self._control_group)
+        if not seen and self.rank == 0:
+            log.warning("eplb: the model recorded no load in %d steps: expert_load_view is "
+                        "still all zero; the model must add the tokens each slot receives into "
+                        "the load view it was given (see docs/bring-your-own-model.md); "
+                        "rebalancing is held off until it does", self.steps)
 
     def _agree_requested(self) -> bool:
         """Whether any rank of the group holds a request (a one-rank group asks no one)."""
@@ -428,13 +447,18 @@ class EplbRuntime:
 
     def _start(self, trigger: str, request_ids: list[int] | None = None) -> RebalanceEvent | None:
         """Begin a rebalance planned on the recorded window (rank 0 plans, then broadcasts).
-        A plan that gains less than `config.min_gain` moves nothing (a skipped rebalance)."""
+        A plan that gains less than `config.min_gain` moves nothing (a skipped rebalance);
+        an all-zero window is not planned on at all (skipped, reason NO_LOAD)."""
         info = {"request_ids": request_ids or [], "t_start": time.perf_counter(), "trigger": trigger}
         read_window = self._window_reader(info)  # collective: the window's all-reduce
 
         def plan_fn() -> Placement:
             t0 = time.perf_counter()
             read_window()
+            if not info["load"].any():  # all-reduced: the same verdict on every rank
+                info.update(skipped=True, skip_reason=NO_LOAD, predicted_gain=0.0,
+                            seconds_plan=time.perf_counter() - t0)
+                return self.placement
             planned = self._plan_on_rank0_and_broadcast(info["load"])
             # the same decision on every rank: same broadcast plan, same all-reduced load
             move, info["predicted_gain"] = worth_moving(
@@ -696,7 +720,7 @@ class EplbRuntime:
             max_step_loop_seconds=change.max_step_loop,
             seconds_agree_wait=change.seconds_agree_wait,
             predicted_gain=float(info.get("predicted_gain", 0.0)), skipped=skipped,
-            min_gain=self.config.min_gain,
+            min_gain=self.config.min_gain, skip_reason=info.get("skip_reason", ""),
         )
         self.events.append(event)
         del self.events[:-self.MAX_EVENTS]  # the newest MAX_EVENTS: bounded memory in long jobs

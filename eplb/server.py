@@ -700,8 +700,9 @@ def describe_status(status: dict) -> str:
     try:
         if r.get("skipped"):
             gain, floor = r["predicted_gain"], r["min_gain"]
-            why = (f"nothing to gain (predicted gain {gain:+.4f})" if gain <= 0 else
-                   f"predicted gain {gain:+.4f} < min gain {floor:.4f}")
+            why = r.get("skip_reason") or (
+                f"nothing to gain (predicted gain {gain:+.4f})" if gain <= 0 else
+                f"predicted gain {gain:+.4f} < min gain {floor:.4f}")
             return f"skipped{at}: {why}; balancedness {r['balancedness_before']:.4f}, nothing moved"
         seconds = r["seconds_plan"] + r["seconds_transfer"] + r["seconds_commit"]
         return (f"done{at}: balancedness {r['balancedness_before']:.3f} -> "

@@ -2,13 +2,16 @@
 hold bitwise-equal weights in every registered tensor (start-up layout: slot p holds expert
 p mod N), registered tensors are [S, ...] and the layer's own, and a model that counts no
 load gets one warning and rebalances that move nothing."""
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from _dist import device_for, run_distributed
 from eplb.config import EplbConfig
-from eplb.runtime import EplbRuntime
+from eplb.runtime import NO_LOAD, EplbRuntime
+from eplb.server import describe_status
 from test_runtime import _args, _skewed_bias, check_committed
 
 
@@ -129,3 +132,119 @@ def test_replicas_on_one_rank_checked():
     with pytest.raises(ValueError, match=r"layer 0, expert 3: tensor 1 .* slot\(s\) \[11\] "
                                          r"\(rank\(s\) \[0\]\) differs from slot 3"):
         EplbRuntime(model, EplbConfig(num_redundant_experts=4, rebalance_interval=0))
+
+
+# ---- a model that records no load -------------------------------------------------------
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def no_load(self):
+        return [m for m in self.messages if "recorded no load" in m]
+
+
+def _snapshot(runtime):
+    return ([[w.clone() for w in ws] for ws in runtime.expert_weights],
+            [t.clone() for t in runtime._maps], runtime.placement)
+
+
+def _assert_unchanged(runtime, snap):
+    weights, maps, placement = snap
+    assert runtime.placement is placement
+    for ws, olds in zip(runtime.expert_weights, weights):
+        for w, o in zip(ws, olds):
+            assert torch.equal(w, o)
+    for t, o in zip(runtime._maps, maps):
+        assert torch.equal(t, o)
+
+
+def _zero_load_body(rank, world, asynchronous):
+    from moe import MoEModel, sample_tokens
+
+    device = device_for(rank)
+    args = _args(num_layers=2)
+    L, N = args.num_layers, args.num_experts
+    model = MoEModel(args, group=dist.group.WORLD if world > 1 else None, device=device)
+    model.set_record_load(False)
+    runtime = EplbRuntime(model, EplbConfig(
+        num_redundant_experts=4, window_size=4, rebalance_interval=6, min_gain=0.0,
+        zero_load_warn_steps=3, async_rebalance=asynchronous, planner_process=False))
+    handler = _Warnings()
+    logging.getLogger("eplb.runtime").addHandler(handler)
+    snap = _snapshot(runtime)
+
+    def serve(steps, first):
+        events = []
+        for step in range(first, first + steps):
+            model.set_routing_bias(_skewed_bias(step, L, N).to(device))
+            model(sample_tokens(args, 48, seed=100 * step + rank, device=device))
+            events.append(runtime.step())
+            if step + 1 == 2:
+                assert handler.no_load() == []  # not before zero_load_warn_steps
+        if asynchronous:
+            events.append(runtime.finish_rebalance())
+        return [e for e in events if e is not None]
+
+    try:
+        events = serve(8, 0)  # the interval rebalance at step 6 sees an all-zero window
+        assert len(handler.no_load()) == (1 if rank == 0 else 0), handler.messages
+        if rank == 0:
+            assert "no load in 3 steps: expert_load_view is still all zero" in handler.no_load()[0]
+        assert len(events) == 1, events
+        event = events[0]
+        assert event.skipped and event.skip_reason == NO_LOAD, event.summary()
+        assert event.experts_moved == event.slots_changed == event.bytes_moved == 0
+        assert "skipped: no load recorded" in event.describe()
+        assert describe_status({"state": "done", "step": event.step, "result": event.summary()}
+                               ).startswith(f"skipped at step {event.step}: no load recorded")
+        _assert_unchanged(runtime, snap)
+        if not asynchronous:
+            again = runtime.rebalance()  # asked for: skipped alike
+            assert again.skipped and again.skip_reason == NO_LOAD
+            _assert_unchanged(runtime, snap)
+
+        model.set_record_load(True)  # the model counts again: the next rebalance moves
+        events = serve(6, 8)  # interval rebalance at step 12
+        assert len(events) == 1 and not events[0].skipped, [e.summary() for e in events]
+        assert events[0].slots_changed > 0 and runtime.placement is not snap[2]
+        check_committed(args, runtime, device)
+        assert len(handler.no_load()) == (1 if rank == 0 else 0)  # once, never again
+    finally:
+        logging.getLogger("eplb.runtime").removeHandler(handler)
+        runtime.close()
+
+
+def test_zero_load_warns_once_and_moves_nothing_two_ranks():
+    run_distributed(_zero_load_body, 2, False)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_zero_load_one_process(asynchronous):
+    _zero_load_body(0, 1, asynchronous)
+
+
+def test_zero_load_warning_off_and_not_with_load(caplog):
+    from moe import MoEModel, sample_tokens
+
+    args = _args(num_layers=2)
+    for warn_steps, record in ((0, False), (2, True)):
+        model = MoEModel(args)
+        model.set_record_load(record)
+        runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=4, rebalance_interval=0,
+                                                zero_load_warn_steps=warn_steps))
+        with caplog.at_level(logging.WARNING, logger="eplb.runtime"):
+            for step in range(4):
+                model(sample_tokens(args, 16, seed=step))
+                runtime.step()
+        assert "recorded no load" not in caplog.text
+        runtime.close()
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "3"])
+def test_zero_load_warn_steps_validated(bad):
+    with pytest.raises(ValueError, match="zero_load_warn_steps must be an int >= 0"):
+        EplbConfig(zero_load_warn_steps=bad).verify(8, 2)
