@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _hf import require_transformers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +59,7 @@ def test_hf_throughput_cpu_mode_matches_the_original(tmp_path):
     """benchmarks/hf_throughput.py on 2 gloo ranks (tiny qwen3_moe, fp32): the EP model's
     logits and greedy tokens equal the original's before and after the rebalance, and the
     rebalance moves experts and raises the measured per-GPU balancedness."""
-    pytest.importorskip("transformers")
+    require_transformers()
     out = tmp_path / "hf.json"
     r = _run("hf_throughput.py", "--device", "cpu", "--nproc", "2", "--layers", "1", "--reps", "2",
              "--no-decode", "--hf-ep", "", "--json", str(out))

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+from _hf import require_transformers
 import torch
 import torch.distributed as dist
 
@@ -56,7 +57,7 @@ def test_layout():
 
 
 def test_layout_matches_slot_experts():
-    pytest.importorskip("safetensors")
+    require_transformers()  # safetensors comes with it
     from eplb import Placement
     from moe.hf.experts import slot_experts
 
@@ -198,7 +199,7 @@ def test_unequal_replicas_are_refused():
 # ---- Hugging Face --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    pytest.importorskip("transformers")
+    require_transformers()
     from moe.hf.configs import tiny_model
 
     path = tmp_path_factory.mktemp("qwen3_moe")

@@ -11,8 +11,9 @@ import time
 
 import numpy as np
 import pytest
+from _hf import require_transformers
 
-pytest.importorskip("transformers")
+require_transformers()
 
 from test_demo import EPLB, ROOT, check_records, run  # noqa: E402
 
