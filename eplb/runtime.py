@@ -41,14 +41,30 @@ __all__ = ["EplbRuntime", "RebalanceEvent", "RebalanceError", "EplbFatalError"]
 _LIVE_RUNTIMES: "weakref.WeakSet[EplbRuntime]" = weakref.WeakSet()
 
 
+# Groups of closed runtimes, destroyed at exit rather than in close(): torch names a group
+# made with use_local_synchronization by hashing its ranks, skipping the names of live
+# groups, so destroying one frees its name and the next runtime's group would reuse it,
+# with the old group's addresses still in the store under that name (its ranks then
+# connect to closed ports and the creation times out).
+_RETIRED_GROUPS: list[dist.ProcessGroup] = []
+
+
 @atexit.register
 def _close_live_runtimes() -> None:
-    """At exit, stop the background work of runtimes still alive (see `close`)."""
+    """At exit, stop the background work of runtimes still alive (see `close`), then
+    destroy the groups of closed runtimes (unless the default group is gone already)."""
     for runtime in list(_LIVE_RUNTIMES):
         try:
             runtime.close()
         except Exception:  # noqa: BLE001 - exiting anyway
             log.exception("eplb: closing a runtime at exit failed")
+    while _RETIRED_GROUPS:
+        group = _RETIRED_GROUPS.pop()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # noqa: BLE001 - destroyed with the default group, or exiting
+                pass
 
 
 @dataclass
@@ -192,9 +208,9 @@ class EplbRuntime:
         try:
             self._check_registration(problem)  # collective: every rank raises alike
         except ValueError:
-            for g in (self._plan_group, self._control_group):
-                if g is not None:
-                    dist.destroy_process_group(g)
+            # retired, not destroyed: a runtime made after fixing the model must not reuse
+            # their names (see _RETIRED_GROUPS)
+            _RETIRED_GROUPS.extend(g for g in (self._plan_group, self._control_group) if g is not None)
             raise
         self.bytes_per_expert = sum(w.numel() // S * w.element_size() for w in self.expert_weights[0])
         if self.world_size > 1:
@@ -558,7 +574,8 @@ class EplbRuntime:
         (layers that switched stay switched) and wait up to `timeout` seconds (default
         `transfer_timeout`) for transfer threads, which may sit in a transfer until their
         group's timeout after an aborted rebalance; then release the runtime's own process
-        groups. Not a collective. Idempotent; also run at exit for runtimes still alive.
+        groups (destroyed at exit, so a later runtime's groups never reuse their names).
+        Not a collective. Idempotent; also run at exit for runtimes still alive.
         `step()` refuses to run afterwards."""
         if self._change is not None:
             self._change.abandon()
@@ -578,10 +595,11 @@ class EplbRuntime:
             log.warning("eplb: %d rebalance thread(s) still waiting in a transfer at close",
                         len(self._stale))
         elif not self.closed and dist.is_initialized():
-            # release the runtime's own groups now rather than at interpreter teardown
+            # drop the runtime's own groups; they are destroyed at exit (before interpreter
+            # teardown), not now: see _RETIRED_GROUPS
             for g in (self._transfer_group, self._plan_group, self._control_group):
                 if g is not None and g is not self.group:
-                    dist.destroy_process_group(g)
+                    _RETIRED_GROUPS.append(g)
             self._transfer_group = self._plan_group = self._control_group = None
         self.closed = True
 

@@ -261,3 +261,25 @@ def _failing_transfer_body(rank, world):
 
 def test_failure_mid_transfer_leaves_every_layer_old_or_new():
     run_distributed(_failing_transfer_body, 2)
+
+
+def _runtimes_one_after_another(rank, world):
+    """A process may close its runtime and make a new one, again and again: the new
+    runtime's own groups must not reuse a closed one's name (whose addresses are still in
+    the store, so creating the group would time out connecting to closed ports)."""
+    from moe import MoEArgs, MoEModel
+
+    for _ in range(4):
+        model = MoEModel(MoEArgs(num_layers=2, num_experts=8, num_redundant_experts=2,
+                                 hidden_size=16, intermediate_size=16, top_k=2),
+                         group=dist.group.WORLD)
+        runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=2, min_gain=0.0,
+                                                transfer_timeout=20), dist.group.WORLD)
+        model(torch.randn(4, 16))
+        runtime.step()
+        runtime.rebalance()
+        runtime.close()
+
+
+def test_runtimes_one_after_another_in_one_process():
+    run_distributed(_runtimes_one_after_another, 2, timeout=120)
