@@ -21,11 +21,36 @@ def _args(**kw):
     return MoEArgs(**base)
 
 
+def check_routing_maps(runtime) -> None:
+    """The maps the model routes by agree with the committed `physical_to_logical`:
+    `logical_to_physical_map [L, N, R]` lists exactly the slots holding each expert (the
+    first `logical_replica_count` entries, -1 after them), and the model holds views of
+    the runtime's tensors (same storage)."""
+    p2l = runtime.physical_to_logical.cpu().numpy()  # [L, P]
+    l2p = runtime.logical_to_physical_map.cpu().numpy()  # [L, N, R]
+    count = runtime.logical_replica_count.cpu().numpy()  # [L, N]
+    L, N, R = l2p.shape
+    for layer in range(L):
+        for e in range(N):
+            slots = sorted(np.flatnonzero(p2l[layer] == e).tolist())
+            c = int(count[layer, e])
+            assert c == len(slots), f"layer {layer} expert {e}: count {c}, slots {slots}"
+            assert sorted(l2p[layer, e, :c].tolist()) == slots, (layer, e, l2p[layer, e], slots)
+            assert (l2p[layer, e, c:] == -1).all(), (layer, e, l2p[layer, e])
+    model = runtime.model
+    for name in ("logical_to_physical_map", "logical_replica_count"):
+        mine, theirs = getattr(model, name, None), getattr(runtime, name)
+        if isinstance(mine, torch.Tensor):
+            assert mine.data_ptr() == theirs.data_ptr(), f"the model holds a copy of {name}"
+
+
 def check_committed(args, runtime, device) -> None:
     """Every local slot holds bitwise the expert that the committed map
-    `runtime.physical_to_logical` names (mid-rebalance too)."""
+    `runtime.physical_to_logical` names (mid-rebalance too), and the routing maps the
+    model reads agree with it (`check_routing_maps`)."""
     from moe import expert_weights_for
 
+    check_routing_maps(runtime)
     S = runtime.model.num_local_physical_experts
     p2l = runtime.physical_to_logical.cpu().numpy()  # [L, P]
     for layer, weights in enumerate(runtime.expert_weights):
