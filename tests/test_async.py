@@ -37,6 +37,11 @@ def _serving_body(rank, world, transport="nccl", launch="auto"):
         check_committed(args, runtime, device)
         committed_before = runtime.physical_to_logical.clone()
         event = runtime.step()
+        # every rank switches each layer at the same agreed step: the maps the ranks
+        # route by are equal after every step (not only once the rebalance is done)
+        for maps in (runtime.physical_to_logical, runtime.logical_to_physical_map,
+                     runtime.logical_replica_count):
+            assert_same_on_every_rank(maps)
         if runtime.rebalance_in_flight:
             flight_steps += 1
             # "auto" launches from the step loop exactly on CUDA with the NCCL transport
