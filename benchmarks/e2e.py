@@ -7,7 +7,7 @@ placement planned on the load of the coming interval.
     torchrun --nproc-per-node 2 benchmarks/e2e.py # the same under torchrun
     python benchmarks/e2e.py --cpu                # tiny, 2 gloo ranks on the CPU (smoke)
 
-Workload: the packaged ESFT trace (`eplb.workload`, as the demo replays it); step t uses
+Workload: the packaged ESFT trace (`eplb.core.workload`, as the demo replays it); step t uses
 the popularity of trace entries [t*stride, t*stride + trace_window), so popularity drifts
 across the trace's four tasks, turned into a router selection bias (strength * log p; the
 demo's strength, at which the realised expert load follows the trace's popularity). Model
@@ -50,12 +50,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eplb.config import EplbConfig  # noqa: E402
-from eplb.demo import DEMO_BIAS_STRENGTH  # noqa: E402
-from eplb.placement import Placement, balancedness_of_gpu_loads  # noqa: E402
-from eplb.planning import plan  # noqa: E402
+from eplb.core.config import EplbConfig  # noqa: E402
+from eplb.ops.demo import DEMO_BIAS_STRENGTH  # noqa: E402
+from eplb.core.placement import Placement, balancedness_of_gpu_loads  # noqa: E402
+from eplb.core.planning import plan  # noqa: E402
 from eplb.runtime import EplbRuntime  # noqa: E402
-from eplb.workload import TraceWorkload, load_trace, routing_bias  # noqa: E402
+from eplb.core.workload import TraceWorkload, load_trace, routing_bias  # noqa: E402
 from moe import MoEArgs, MoEModel  # noqa: E402
 
 GPU_DEFAULTS = dict(layers=4, hidden=4096, intermediate=1408, experts=64, redundant=8, top_k=8,

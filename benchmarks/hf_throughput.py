@@ -70,8 +70,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eplb.config import EplbConfig  # noqa: E402
-from eplb.placement import balancedness_of_gpu_loads  # noqa: E402
+from eplb.core.config import EplbConfig  # noqa: E402
+from eplb.core.placement import balancedness_of_gpu_loads  # noqa: E402
 from eplb.runtime import EplbRuntime  # noqa: E402
 
 # Qwen3-30B-A3B (config.json of Qwen/Qwen3-30B-A3B), depth reduced
@@ -330,8 +330,8 @@ def what_if(logical: np.ndarray, per_rank: int, worlds=(2, 4, 8)) -> dict:
     """Computed, not run: on this measured logical load [L, N], the balancedness of the
     start-up placement and of the placement the planner makes (in-sample: planned and
     scored on the same load) for other GPU counts, `per_rank` redundant slots per GPU."""
-    from eplb.placement import Placement
-    from eplb.planning import plan
+    from eplb.core.placement import Placement
+    from eplb.core.planning import plan
 
     L, N = logical.shape
     out = {}

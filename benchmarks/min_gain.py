@@ -1,6 +1,6 @@
 """Sweep of `min_gain` (skip a rebalance whose plan gains less) on measured load traces.
 
-For each trace setting and each min_gain, `eplb.simulate.simulate` replays the trace with
+For each trace setting and each min_gain, `eplb.core.simulate.simulate` replays the trace with
 the default policy and reports the out-of-sample imbalance (max/mean GPU load, mean over
 layers and scored steps), the share of rebalances skipped, and the slots written per
 rebalance (all rebalances, skipped ones counting 0). Prints one markdown table per setting.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb.simulate import aggregate_steps, read_trace, simulate
+from eplb.core.simulate import aggregate_steps, read_trace, simulate
 
 GAINS = (0.0, 0.002, 0.005, 0.01, 0.02, 0.05)
 

@@ -28,10 +28,10 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from eplb.placement import Placement  # noqa: E402
-from eplb.planning import plan  # noqa: E402
-from eplb.policy import PolicyOptions, get_policy  # noqa: E402
-from eplb.transfer import transfer_stats  # noqa: E402
+from eplb.core.placement import Placement  # noqa: E402
+from eplb.core.planning import plan  # noqa: E402
+from eplb.core.policy import PolicyOptions, get_policy  # noqa: E402
+from eplb.runtime.transfer import transfer_stats  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"
@@ -227,7 +227,7 @@ def section_moves() -> None:
     table(["policy", "move_tolerance", "copies moved / rebalance", "vs deepseek", "remote receives / rebalance",
            "imbalance next 20 (out of sample)", "imbalance last 20 (in sample)", "both targets"], rows)
     print(f"{d[4]} rebalances; copies moved = slots whose expert changes, as a share of 26 x 80; "
-          "remote receives = eplb.transfer.transfer_stats(old, new, 16).experts_moved; `!`: out of sample worse "
+          "remote receives = eplb.runtime.transfer.transfer_stats(old, new, 16).experts_moved; `!`: out of sample worse "
           "than deepseek; both targets = moved <= 1/3 of deepseek's and out of sample <= deepseek's\n")
     # the out-of-sample figure is dominated by the noise of 20-sequence windows (and by the
     # task change inside the trace), so the same replay from 10 start offsets as well
@@ -345,7 +345,7 @@ def section_predict() -> None:
     print("## 6. Prediction: causal load predictors, ESFT replay in windows of 20 sequences, EP16, 80 slots\n")
     print("plan from scratch on the prediction for window t (made from windows < t only), score on window t; "
           "t = 1..9; windows 6, 8, 9 are the first after a task switch\n")
-    from eplb.simulate import aggregate_steps
+    from eplb.core.simulate import aggregate_steps
 
     S = aggregate_steps(per_seq_trace(), 20)  # [10, 26, 64]
     H = S / np.maximum(S.sum(-1, keepdims=True), 1e-300)  # per-layer shares: windows weigh the same

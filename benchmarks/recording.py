@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eplb.config import EplbConfig  # noqa: E402
+from eplb.core.config import EplbConfig  # noqa: E402
 from eplb.runtime import EplbRuntime  # noqa: E402
 from moe import MoEArgs, MoEModel, sample_tokens  # noqa: E402
 from moe.dispatch import count_slots, map_to_physical, record_load  # noqa: E402

@@ -44,7 +44,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eplb.transfer import (  # noqa: E402
+from eplb.runtime.transfer import (  # noqa: E402
     DEFAULT_CHUNK_BYTES,
     DEFAULT_HOLD_CHUNK_BYTES,
     IpcTransport,

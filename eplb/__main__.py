@@ -1,7 +1,7 @@
-"""`python -m eplb`: the `eplb` command line (eplb.cli)."""
+"""`python -m eplb`: the `eplb` command line (eplb.ops.cli)."""
 import sys
 
-from eplb.cli import main
+from eplb.ops.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,5 @@
 """Reference MoE model for the EPLB runtime: router, dispatch, grouped experts, and a
-dense single-process oracle. Depends on `eplb.protocol` / `eplb.placement` only."""
+dense single-process oracle. Depends on `eplb.protocol` / `eplb.core.placement` only."""
 from .args import MoEArgs
 from .dispatch import (combine, dispatch, hash_replica, map_to_physical, record_load,
                        weighted_replica, weighted_sum)

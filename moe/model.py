@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from eplb.placement import Placement
+from eplb.core.placement import Placement
 from eplb.protocol import replica_cdf
 
 from .args import MoEArgs
@@ -133,7 +133,7 @@ class MoEModel(nn.Module):
     def update_physical_experts_metadata(self, num_physical_experts: int,
                                          num_local_physical_experts: int, *,
                                          reallocate: bool = False) -> None:
-        """Record a new slot count P / slots per rank S (elastic resize, `eplb.resize`).
+        """Record a new slot count P / slots per rank S (elastic resize, `eplb.runtime.resize`).
 
         When S differs from the slots allocated, or `reallocate` is set, every layer gets
         fresh zero slot tensors `w13 [S, 2I, H]`, `w2 [S, H, I]` (new storage: views of the

@@ -1,5 +1,5 @@
 """Run the `eplb` CLI in process: (exit code, stdout, stderr)."""
-from eplb.cli import main
+from eplb.ops.cli import main
 
 
 def run_main(argv, capsys):

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import BACKEND, assert_same_on_every_rank, device_for, run_distributed
-from eplb.config import EplbConfig
+from eplb.core.config import EplbConfig
 from eplb.runtime import EplbRuntime
 from test_runtime import _args, _skewed_bias, check_committed
 
@@ -166,10 +166,10 @@ def _failure_body(rank, world, failing_ranks, asynchronous, launch="auto"):
     aborts at the same layer (the others may first wait for the failed rank until the
     transfer timeout), nothing raises in async mode, the failure is counted, the model
     keeps serving exactly, and the next rebalance succeeds on a fresh transfer group."""
-    import eplb.transfer
+    import eplb.runtime.transfer
     from moe import DenseMoEModel, MoEModel, sample_tokens
 
-    from eplb.metrics import EplbMetrics
+    from eplb.ops.metrics import EplbMetrics
     from eplb.runtime import RebalanceError
 
     device = device_for(rank)
@@ -186,7 +186,7 @@ def _failure_body(rank, world, failing_ranks, asynchronous, launch="auto"):
     rng = np.random.default_rng(5)  # same on every rank
     target = np.stack([rng.permutation(np.arange(old.num_slots) % args.num_experts) for _ in range(4)])
     new = old.with_physical_to_logical(target, "test")
-    real = eplb.transfer.exchange_layer
+    real = eplb.runtime.transfer.exchange_layer
     calls = []
 
     def flaky(plan, weights, group, staging, **kw):
@@ -195,7 +195,7 @@ def _failure_body(rank, world, failing_ranks, asynchronous, launch="auto"):
             raise RuntimeError("injected exchange failure")
         return real(plan, weights, group, staging, **kw)
 
-    eplb.transfer.exchange_layer = flaky
+    eplb.runtime.transfer.exchange_layer = flaky
     try:
         if asynchronous:
             assert runtime.apply_placement(new, wait=False) is None and runtime.rebalance_in_flight
@@ -207,7 +207,7 @@ def _failure_body(rank, world, failing_ranks, asynchronous, launch="auto"):
             with pytest.raises(RebalanceError, match="after 1 of 4 changed layers"):
                 runtime.apply_placement(new)
     finally:
-        eplb.transfer.exchange_layer = real
+        eplb.runtime.transfer.exchange_layer = real
     assert not runtime.rebalance_in_flight and len(failures) == 1
     assert "after 1 of 4 changed layers" in str(failures[0][1])
     assert metrics.value("eplb_rebalances_total", trigger="api", outcome="failure") == 1

@@ -9,9 +9,9 @@ import torch
 
 from _cli import run_main
 from eplb import plan
-from eplb.loadio import as_load, read_load
-from eplb.placement import Placement
-from eplb.simulate import read_trace, simulate
+from eplb.core.loadio import as_load, read_load
+from eplb.core.placement import Placement
+from eplb.core.simulate import read_trace, simulate
 
 
 class _Payload:  # torch.save of this needs a full pickle: weights_only=True must refuse it
@@ -130,9 +130,9 @@ def test_simulate_cli_bad_input(files, capsys, trace, extra, needle):
     (["--trace", "{big}"], "big.npy"),
 ])
 def test_demo_cli_bad_arguments(files, capsys, monkeypatch, args, needle):
-    import eplb.launch
+    import eplb.ops.launch
 
-    monkeypatch.setattr(eplb.launch, "launch", lambda *a, **k: pytest.fail("launched ranks"))
+    monkeypatch.setattr(eplb.ops.launch, "launch", lambda *a, **k: pytest.fail("launched ranks"))
     _one_line_exit_2(["demo"] + [x.format(**files) for x in args], capsys, needle)
 
 

@@ -84,7 +84,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
 def test_console_script_no_traceback(tmp_path):
     """The real process: exit status 2 and a single stderr line."""
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
-    r = subprocess.run([sys.executable, "-m", "eplb.cli", "plan", str(tmp_path / "missing.npy"),
+    r = subprocess.run([sys.executable, "-m", "eplb.ops.cli", "plan", str(tmp_path / "missing.npy"),
                         "--num-gpus", "2", "--num-slots", "4", "--out", str(tmp_path / "o.json")],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2
@@ -131,7 +131,7 @@ def test_python_m_eplb_is_the_same_cli(tmp_path):
 
 
 def test_every_plan_flag_has_help():
-    from eplb.cli import build_parser
+    from eplb.ops.cli import build_parser
 
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")

@@ -3,7 +3,7 @@ import logging
 
 import pytest
 
-from eplb.config import EplbConfig, nodes_from_env
+from eplb.core.config import EplbConfig, nodes_from_env
 
 
 def test_valid_config_resolves_nodes(monkeypatch):
@@ -40,7 +40,7 @@ def test_model_slot_mismatch():
 
 
 def test_nodes_not_dividing_gpus_is_adjusted_and_logged(caplog):
-    with caplog.at_level(logging.WARNING, logger="eplb.config"):
+    with caplog.at_level(logging.WARNING, logger="eplb.core.config"):
         c = EplbConfig(num_nodes=3).verify(num_logical_experts=8, num_gpus=4)
     assert c.num_nodes == 1
     assert "num_nodes=3 does not divide the 4 EP ranks" in caplog.text
@@ -48,7 +48,7 @@ def test_nodes_not_dividing_gpus_is_adjusted_and_logged(caplog):
 
 def test_auto_nodes_logged(caplog, monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    with caplog.at_level(logging.INFO, logger="eplb.config"):
+    with caplog.at_level(logging.INFO, logger="eplb.core.config"):
         c = EplbConfig().verify(num_logical_experts=8, num_gpus=4)
     assert c.num_nodes == 1
     assert "num_nodes not set: using 1" in caplog.text

@@ -4,8 +4,8 @@ import threading
 import torch.distributed as dist
 
 from _dist import device_for, run_distributed
-from eplb.config import EplbConfig
-from eplb.control import RebalanceRequests
+from eplb.core.config import EplbConfig
+from eplb.runtime.control import RebalanceRequests
 from eplb.runtime import EplbRuntime
 
 

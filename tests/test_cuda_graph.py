@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from _dist import BACKEND, device_for, run_distributed
-from eplb.config import EplbConfig
-from eplb.placement import Placement
+from eplb.core.config import EplbConfig
+from eplb.core.placement import Placement
 from eplb.runtime import EplbRuntime
 from moe import DenseMoEModel, MoEArgs, MoEModel, sample_tokens
 from test_moe import random_bias, random_placement

@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "dashboards" / "eplb.json"
 
-# the metric names eplb exports (eplb/metrics.py); the dashboard shows every one of them
+# the metric names eplb exports (eplb/ops/metrics.py); the dashboard shows every one of them
 METRICS = {
     "eplb_balancedness_ratio", "eplb_balancedness_overall_ratio", "eplb_gpu_load_tokens",
     "eplb_rebalances_total", "eplb_rebalance_duration_seconds", "eplb_experts_moved_total",
@@ -116,7 +116,7 @@ def test_promql_is_balanced():
 def test_layer_by_gpu_heatmap_of_the_opt_in_metric():
     """The per-layer load per GPU: a layer x GPU matrix (rows layers, columns GPUs, coloured
     cells) at the latest scrape, from the opt-in eplb_gpu_layer_load_tokens, saying so."""
-    from eplb.metrics import EplbMetrics
+    from eplb.ops.metrics import EplbMetrics
 
     d = dashboard()
     (p,) = [p for p in d["panels"] if any("eplb_gpu_layer_load_tokens" in t["expr"]

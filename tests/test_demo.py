@@ -16,7 +16,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 _SCRIPT = Path(sys.executable).parent / "eplb"
 # the installed console script when there is one, else the same entry point by module
-EPLB = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "eplb.cli"]
+EPLB = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "eplb.ops.cli"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 SMALL = ["--layers", "2", "--experts", "8", "--tokens", "32", "--hidden", "32",
          "--intermediate", "32"]
@@ -123,7 +123,7 @@ def test_demo_says_when_a_rebalance_is_skipped(tmp_path):
 
 def test_demo_under_plain_torchrun(tmp_path):
     out = tmp_path / "torchrun.json"
-    r = run(TORCHRUN + ["--standalone", "--nproc-per-node", "2", "-m", "eplb.demo",
+    r = run(TORCHRUN + ["--standalone", "--nproc-per-node", "2", "-m", "eplb.ops.demo",
                         "--steps", "12", "--rebalance-every", "6", "--layers", "2", "--experts", "8",
                         "--tokens", "32", "--json", str(out)])
     assert r.returncode == 0, r.stderr
@@ -177,7 +177,7 @@ def test_torchrun_bad_input_is_reported_once():
     its own failure summary, which is not ours to shape)."""
     for args, needle in [(["--steps", "0"], "--steps"),
                          (["--redundant", "1", "--experts", "8"], "num_redundant_experts")]:
-        r = run(TORCHRUN + ["--standalone", "--nproc-per-node", "2", "-m", "eplb.demo",
+        r = run(TORCHRUN + ["--standalone", "--nproc-per-node", "2", "-m", "eplb.ops.demo",
                             "--layers", "2", *args], timeout=120)
         assert r.returncode != 0
         ours = [ln for ln in r.stderr.splitlines() if ln.startswith("eplb demo: error: ")]

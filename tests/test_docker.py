@@ -27,7 +27,7 @@ COMPOSE = DOCKER / "docker-compose.yml"
 
 
 _SCRIPT = Path(sys.executable).parent / "eplb"
-EPLB = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "eplb.cli"]
+EPLB = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "eplb.ops.cli"]
 # the tool each service's healthcheck runs, and the images that have it: the eplb image is
 # built FROM python (no curl), prom/prometheus is busybox-based (wget), grafana/grafana
 # installs curl
@@ -56,7 +56,7 @@ def torchrun_args(argv: list[str]) -> argparse.Namespace:
 
 
 def demo_args(argv: list[str]) -> argparse.Namespace:
-    from eplb.demo import add_demo_arguments, check_demo_arguments
+    from eplb.ops.demo import add_demo_arguments, check_demo_arguments
 
     p = argparse.ArgumentParser()
     add_demo_arguments(p)
@@ -203,7 +203,7 @@ def test_two_node_job_commands():
         assert node["hostname"] == f"node{rank}"
         assert t.nnodes == "2" and t.nproc_per_node == "2" and t.node_rank == rank
         assert t.rdzv_backend == "c10d" and t.rdzv_endpoint == "node0:29400"
-        assert t.module and t.training_script == "eplb.demo"
+        assert t.module and t.training_script == "eplb.ops.demo"
         assert t.local_addr == f"node{rank}"  # c10d sorts nodes by it: rank 0 on node0
     assert sorted(t.local_addr for t in parsed)[0] == "node0"
     assert parsed[0].rdzv_id == parsed[1].rdzv_id
@@ -267,7 +267,7 @@ def test_dockerfile():
     assert entry == ["torchrun"]
     cmd = json.loads(re.search(r"^CMD (\[.+?\])$", text.replace("\\\n", " "), re.M | re.S).group(1))
     t = torchrun_args(cmd)
-    assert t.training_script == "eplb.demo"
+    assert t.training_script == "eplb.ops.demo"
     assert demo_args(t.training_script_args).metrics_host == "0.0.0.0"
     ignore = (DOCKER / "Dockerfile.dockerignore").read_text()
     assert "!eplb/" in ignore and "!moe/" in ignore

@@ -41,10 +41,10 @@ def _args():
 
 
 def _install_fault(fault: str, point: str) -> None:
-    import eplb.transfer
+    import eplb.runtime.transfer
 
     name, nth = POINTS[point]
-    real = getattr(eplb.transfer, name)
+    real = getattr(eplb.runtime.transfer, name)
     calls = []
 
     def faulty(plan, *a, **kw):
@@ -57,7 +57,7 @@ def _install_fault(fault: str, point: str) -> None:
             time.sleep(600)  # frozen; the parent kills this process
         return real(plan, *a, **kw)
 
-    setattr(eplb.transfer, name, faulty)
+    setattr(eplb.runtime.transfer, name, faulty)
 
 
 def _rank_main(rank: int, port: int, outdir: str, mode: str, fault: str, point: str) -> None:
@@ -67,7 +67,7 @@ def _rank_main(rank: int, port: int, outdir: str, mode: str, fault: str, point: 
                             init_method=f"tcp://127.0.0.1:{port}")
     from moe import DenseMoEModel, MoEModel, sample_tokens
 
-    from eplb.config import EplbConfig
+    from eplb.core.config import EplbConfig
     from eplb.runtime import EplbFatalError, EplbRuntime, RebalanceError
     from test_runtime import check_committed
 

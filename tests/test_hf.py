@@ -118,9 +118,9 @@ def test_matches_original_model(arch, world):
 
 
 def _resize_round_trip(rank: int, world: int, arch: str) -> None:
-    """An HF model through eplb.resize: 4 ranks -> 2 (planned on the window) -> 4; the
+    """An HF model through eplb.runtime.resize: 4 ranks -> 2 (planned on the window) -> 4; the
     members' logits stay the original's, the released ranks hold no expert weights."""
-    from eplb.resize import resize_expert_parallel
+    from eplb.runtime.resize import resize_expert_parallel
 
     group = dist.group.WORLD
     ref = tiny_model(arch, seed=0, **SIZES)

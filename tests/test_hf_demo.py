@@ -17,7 +17,7 @@ require_transformers()
 
 from test_demo import EPLB, ROOT, check_records, run  # noqa: E402
 
-from eplb.demo import HF_ARCHITECTURES  # noqa: E402
+from eplb.ops.demo import HF_ARCHITECTURES  # noqa: E402
 
 # sizes: 2 MoE layers x 8 experts top-2, 64 tokens per rank per step (4 sequences x 16)
 SIZES = dict(layers=2, experts=8, top_k=2, hidden=32, intermediate=32, tokens=64, seq_len=16)
@@ -210,8 +210,8 @@ def test_hf_architectures_match_moe_hf():
 def test_default_demo_does_not_import_transformers():
     """The core packages and the reference demo's code path never import transformers."""
     r = run([sys.executable, "-c",
-             "import sys, eplb, eplb.cli, eplb.demo, eplb.demo_hf, moe, moe.hf, moe.hf.configs; "
-             "eplb.cli.build_parser(); print('transformers' in sys.modules)"], timeout=120)
+             "import sys, eplb, eplb.ops.cli, eplb.ops.demo, eplb.ops.demo_hf, moe, moe.hf, moe.hf.configs; "
+             "eplb.ops.cli.build_parser(); print('transformers' in sys.modules)"], timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False"
 

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from _dist import device_for, run_distributed
-from eplb.cli import main
-from eplb.metrics import EplbMetrics
-from eplb.planning import plan
-from eplb.server import EplbServer
+from eplb.ops.cli import main
+from eplb.ops.metrics import EplbMetrics
+from eplb.core.planning import plan
+from eplb.ops.server import EplbServer
 from test_metrics import L, N, R, make_runtime
 from test_server import Job, request
 
@@ -164,15 +164,15 @@ def test_load_disabled_is_404_and_listed_in_the_index():
 def test_load_gzip_for_clients_that_ask(monkeypatch):
     import gzip
 
-    import eplb.server
-    from eplb.server import fetch_load
+    import eplb.ops.server
+    from eplb.ops.server import fetch_load
 
     j = Job()
     try:
         j.wait_steps(4)
         status, headers, plain = request(j.server, "GET", "/load", headers={"Accept-Encoding": "gzip"})
         assert status == 200 and "content-encoding" not in headers  # small: sent as is
-        monkeypatch.setattr(eplb.server, "_GZIP_MIN", 0)
+        monkeypatch.setattr(eplb.ops.server, "_GZIP_MIN", 0)
         status, headers, body = request(j.server, "GET", "/load", headers={"Accept-Encoding": "gzip"})
         assert status == 200 and headers["content-encoding"] == "gzip"
         d = json.loads(gzip.decompress(body))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from eplb.loadio import as_load, read_load
+from eplb.core.loadio import as_load, read_load
 
 DATA = Path(__file__).parent / "data"
 LOAD = np.array([[3, 0, 7, 1], [2, 2, 5, 9], [0, 1, 1, 4]], dtype=np.float64)  # [L=3, N=4]

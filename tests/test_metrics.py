@@ -14,9 +14,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from _dist import device_for, run_distributed
-from eplb.config import EplbConfig
-from eplb.metrics import EplbMetrics
-from eplb.placement import Placement, balancedness_of_gpu_loads
+from eplb.core.config import EplbConfig
+from eplb.ops.metrics import EplbMetrics
+from eplb.core.placement import Placement, balancedness_of_gpu_loads
 from eplb.runtime import EplbRuntime, RebalanceError
 
 L, N, R = 2, 8, 4  # layers, logical experts, redundant slots: P = 12
@@ -81,14 +81,14 @@ def exposed(metrics: EplbMetrics) -> tuple[dict, dict]:
 def break_rebalances(monkeypatch) -> None:
     """From now on (undone by `monkeypatch`) every rebalance fails: planning and every
     layer's exchange raise "transfer failed" (a lost peer, an OOM while staging, ...)."""
-    import eplb.runtime
-    import eplb.transfer
+    import eplb.runtime.runtime
+    import eplb.runtime.transfer
 
     def boom(*args, **kwargs):
         raise RuntimeError("transfer failed")
 
-    monkeypatch.setattr(eplb.transfer, "exchange_layer", boom)
-    monkeypatch.setattr(eplb.runtime, "plan", boom)
+    monkeypatch.setattr(eplb.runtime.transfer, "exchange_layer", boom)
+    monkeypatch.setattr(eplb.runtime.runtime, "plan", boom)
 
 
 def test_names_types_and_labels_exactly():
@@ -363,7 +363,7 @@ def test_skipped_event_counts_as_skipped_with_plan_duration_only():
 
 def test_real_skipped_rebalance_is_counted_as_skipped():
     """On one GPU every plan gains nothing: with the default min_gain the runtime skips it."""
-    from eplb.config import EplbConfig
+    from eplb.core.config import EplbConfig
 
     rt = make_runtime(min_gain=EplbConfig.min_gain)
     m = EplbMetrics(rt, interval=1)

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import device_for, run_distributed
-from eplb.placement import Placement
+from eplb.core.placement import Placement
 from eplb.protocol import MixtureOfExperts, is_mixture_of_experts, missing_members
 from moe import (DenseMoEModel, GroupedExperts, MoEArgs, MoEModel, Router, eplb_state_for,
                  expert_weights_for, hash_replica, map_to_physical, sample_tokens,

@@ -26,7 +26,7 @@ def launcher(node_rank: int, port: int, out: Path, log: Path) -> subprocess.Pope
            "--nproc-per-node", "2", "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"eplb-test-{port}",
            "--local-addr", f"127.0.0.{node_rank + 1}", "--max-restarts", "0",
-           "-m", "eplb.demo", "--steps", "24", "--rebalance-every", "8", "--verify",
+           "-m", "eplb.ops.demo", "--steps", "24", "--rebalance-every", "8", "--verify",
            "--json", str(out), *SMALL]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)

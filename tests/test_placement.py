@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from eplb.placement import Placement
+from eplb.core.placement import Placement
 
 # 2 layers, N=4 experts, P=6 slots on 3 GPUs (2 slots each)
 P2L = np.array([[0, 1, 2, 3, 0, 0],

@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eplb.placement import Placement
-from eplb.planning import plan
-from eplb.policy import PolicyOptions, get_policy
-from eplb.policy.replicas import compositions, exact_counts_pairs, pairing_max, replica_counts
-from eplb.transfer import transfer_stats
+from eplb.core.placement import Placement
+from eplb.core.planning import plan
+from eplb.core.policy import PolicyOptions, get_policy
+from eplb.core.policy.replicas import compositions, exact_counts_pairs, pairing_max, replica_counts
+from eplb.runtime.transfer import transfer_stats
 
 DATA = Path(__file__).parent / "data"
 ESFT = np.load(DATA / "esft_dsv2lite_alltasks.npy")  # [26, 64]
@@ -412,7 +412,7 @@ def test_align_relabels_gpus_and_keeps_stayers_in_their_slots():
     """`moves.align` (vectorised, int32 ids) moves whole GPUs (loads unchanged), every
     expert that stays on its matched old GPU keeps its old slot, and the result equals a
     per-GPU reference, with the slot sources of `with_source` consistent."""
-    from eplb.policy.moves import align
+    from eplb.core.policy.moves import align
 
     rng = np.random.default_rng(7)
     for _ in range(60):
@@ -448,7 +448,7 @@ def test_align_with_more_than_127_slots_per_gpu():
     """`moves.align` keeps a GPU's slot indices in 1 byte only while they fit: with 130
     slots per GPU (wider slot map) stayers still keep their last old slot, newcomers fill
     the free slots in order, as in the per-GPU reference."""
-    from eplb.policy.moves import align
+    from eplb.core.policy.moves import align
 
     rng = np.random.default_rng(3)
     m, s, n, R = 2, 130, 150, 3
@@ -471,7 +471,7 @@ def _pack_reference(w, c, m):
     """`packing.pack` one row at a time in plain Python: rounds of heavy items to the GPUs
     below the mean load and light items to the others, and the in-round trade of an item
     whose expert its GPU already holds (nearest tradable item, lower index on ties)."""
-    from eplb.policy.rows import argsort_rows
+    from eplb.core.policy.rows import argsort_rows
 
     R, n = w.shape
     p = int(c[0].sum())
@@ -514,7 +514,7 @@ def test_pack_matches_a_per_row_reference():
     """The vectorised packing rounds (presence map, in-round trades of items whose expert
     is already on the GPU) give the plain per-row reference's placement, bit for bit,
     on skewed loads with many replicas per expert and on loads with ties."""
-    from eplb.policy.packing import pack
+    from eplb.core.policy.packing import pack
 
     rng = np.random.default_rng(11)
     for trial in range(40):
@@ -533,7 +533,7 @@ def test_pack_matches_a_per_row_reference():
 def test_align_without_the_slot_map(monkeypatch):
     """With many GPUs and experts `moves.align` finds the old slots by comparison passes
     instead of a (row, GPU, expert) map: the same results as the per-GPU reference."""
-    from eplb.policy import moves
+    from eplb.core.policy import moves
 
     monkeypatch.setattr(moves, "_SLOT_MAP_MAX", 0)
     test_align_relabels_gpus_and_keeps_stayers_in_their_slots()

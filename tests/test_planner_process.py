@@ -9,11 +9,11 @@ import pytest
 import torch.distributed as dist
 
 from _dist import device_for, run_distributed
-from eplb.config import EplbConfig
-from eplb.placement import Placement
-from eplb.planner_process import PlannerProcess, PlannerProcessError
-from eplb.planning import plan
-from eplb.policy import register_policy
+from eplb.core.config import EplbConfig
+from eplb.core.placement import Placement
+from eplb.runtime.planner_process import PlannerProcess, PlannerProcessError
+from eplb.core.planning import plan
+from eplb.core.policy import register_policy
 from eplb.runtime import EplbRuntime
 
 
@@ -138,7 +138,7 @@ def test_async_runtime_plans_in_the_child_on_rank_0():
 
 @register_policy("test-planner-process-local")
 def _local_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options=None):
-    from eplb.policy import get_policy
+    from eplb.core.policy import get_policy
 
     return get_policy("default")(load, num_slots, num_gpus, num_nodes, num_groups, previous, options)
 

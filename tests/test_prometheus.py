@@ -34,7 +34,7 @@ COMPOSE = ROOT / "docker" / "docker-compose.yml"
 DASHBOARD = ROOT / "dashboards" / "eplb.json"
 COMPOSE_TARGET = '"node0:9400"'  # as quoted in the targets list
 _SCRIPT = Path(sys.executable).parent / "eplb"
-EPLB = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "eplb.cli"]
+EPLB = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "eplb.ops.cli"]
 STEPS, EVERY = 400, 40
 DEMO = ["demo", "--nproc", "2", "--steps", str(STEPS), "--rebalance-every", str(EVERY),
         "--layers", "2", "--experts", "8", "--tokens", "32", "--hidden", "32",

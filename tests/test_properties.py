@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from eplb import plan  # noqa: E402
-from eplb.placement import Placement  # noqa: E402
+from eplb.core.placement import Placement  # noqa: E402
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])

@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 
 from _dist import device_for, run_distributed
-from eplb.config import EplbConfig
-from eplb.metrics import EplbMetrics
-from eplb.placement import Placement
-from eplb.planning import plan
+from eplb.core.config import EplbConfig
+from eplb.ops.metrics import EplbMetrics
+from eplb.core.placement import Placement
+from eplb.core.planning import plan
 from eplb.runtime import EplbRuntime
-from eplb.server import EplbServer, describe_status
+from eplb.ops.server import EplbServer, describe_status
 
 WINDOW = 6
 

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from _cli import run_main
-from eplb.metrics import EplbMetrics
-from eplb.planning import plan
-from eplb.server import EplbServer
+from eplb.ops.metrics import EplbMetrics
+from eplb.core.planning import plan
+from eplb.ops.server import EplbServer
 from test_metrics import L, N, R, make_runtime, skewed_pass
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -251,10 +251,10 @@ def test_errors_are_one_line(tmp_path, capsys, monkeypatch):
     assert not list(tmp_path.iterdir())  # nothing written on failure
 
     # a real eplb server: without GET /load (an older eplb), with it turned off, too early
-    import eplb.server
+    import eplb.ops.server
 
     rt = make_runtime()
-    monkeypatch.setattr(eplb.server, "_ROUTES", {k: v for k, v in eplb.server._ROUTES.items()
+    monkeypatch.setattr(eplb.ops.server, "_ROUTES", {k: v for k, v in eplb.ops.server._ROUTES.items()
                                                  if k != "/load"})
     with EplbServer(rt, EplbMetrics(rt)) as srv:
         _one_line(["record", srv.url, "--out", out], capsys,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from _dist import device_for, run_distributed
-from eplb.recorder import LoadRecorder
+from eplb.runtime.recorder import LoadRecorder
 
 CPU = torch.device("cpu")
 # L=2 layers, N=4 logical experts, M=2 GPUs, S=3 slots per GPU -> P=6 slots
@@ -209,7 +209,7 @@ def test_decay_before_the_window_fills_and_hand_example():
 
 
 def test_decay_matches_the_simulator_window():
-    from eplb.simulate import window_load as sim_window
+    from eplb.core.simulate import window_load as sim_window
 
     W = 3
     rec = LoadRecorder(L, N, M, S, window_size=W, device=CPU)
@@ -251,8 +251,8 @@ def test_decayed_window_sums_over_ranks():
 def test_runtime_rebalance_passes_decay_and_planner_knobs(monkeypatch):
     """rebalance() plans on the decay-weighted window with the config's move_tolerance and
     weighted_replicas."""
-    import eplb.runtime as rt
-    from eplb.config import EplbConfig
+    import eplb.runtime.runtime as rt
+    from eplb.core.config import EplbConfig
     from moe import MoEArgs, MoEModel, sample_tokens
 
     args = MoEArgs(hidden_size=16, intermediate_size=8, num_layers=2, num_experts=8, top_k=2,

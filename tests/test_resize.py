@@ -1,4 +1,4 @@
-"""Planned resize of the EP group (eplb.resize) and the model methods it uses.
+"""Planned resize of the EP group (eplb.runtime.resize) and the model methods it uses.
 
 The pure plan is checked by simulating it on expert ids; the whole resize runs on real
 gloo ranks (4 -> 2 -> 4, and 2 -> 4 with idle ranks joining and P changing): afterwards
@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from _dist import assert_same_on_every_rank, device_for, run_distributed
-from eplb.config import EplbConfig
-from eplb.placement import Placement
-from eplb.planning import plan
-from eplb.resize import ResizeVerificationError, plan_resize
+from eplb.core.config import EplbConfig
+from eplb.core.placement import Placement
+from eplb.core.planning import plan
+from eplb.runtime.resize import ResizeVerificationError, plan_resize
 
 
 def _args(**kw):
@@ -119,7 +119,7 @@ def test_plan_rejects_bad_requests():
 def _execute_body(rank, world):
     """The transfer alone (no runtime), on the test backend (gloo, or NCCL with 2 GPUs):
     one rank holding everything spreads to two, then the two shrink onto rank 1."""
-    from eplb.resize import execute_resize
+    from eplb.runtime.resize import execute_resize
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     dist.all_reduce(torch.zeros(1, device=device))  # NCCL wants a collective before p2p
@@ -240,7 +240,7 @@ def _round_trip_body(rank, world):
     """world -> world/2 (planned on the recorded window) -> world (planned on a given load)."""
     from moe import DenseMoEModel, MoEModel
 
-    from eplb.resize import resize_expert_parallel
+    from eplb.runtime.resize import resize_expert_parallel
     from eplb.runtime import EplbRuntime
 
     device = device_for(rank)
@@ -300,7 +300,7 @@ def _idle_ranks_join_body(rank, world):
     """EP group {0, 1} with P = 10, ranks 2 and 3 idle; grow to 4 ranks with P = 12."""
     from moe import DenseMoEModel, MoEModel
 
-    from eplb.resize import resize_expert_parallel
+    from eplb.runtime.resize import resize_expert_parallel
     from eplb.runtime import EplbRuntime
 
     device = device_for(rank)
@@ -351,7 +351,7 @@ def test_idle_ranks_join_and_slots_change():
 def _bad_requests_body(rank, world):
     from moe import DenseMoEModel, MoEModel
 
-    from eplb.resize import resize_expert_parallel
+    from eplb.runtime.resize import resize_expert_parallel
     from eplb.runtime import EplbRuntime
 
     device = device_for(rank)
@@ -399,9 +399,9 @@ def _bad_requests_body(rank, world):
 
     # one value corrupted on its way into rank 3 (injected after the real copy): the
     # checksums catch it on every rank, naming the layer and the slot
-    import eplb.resize
+    import eplb.runtime.resize
 
-    real = eplb.resize._execute_layer
+    real = eplb.runtime.resize._execute_layer
 
     def corrupting(lp, me, old, new, group):
         received = real(lp, me, old, new, group)
@@ -409,7 +409,7 @@ def _bad_requests_body(rank, world):
             new[0][0].view(-1)[0] += 1.0  # layer 0, new slot 0 of rank 3 = slot 9
         return received
 
-    real_plan = eplb.resize.plan_resize
+    real_plan = eplb.runtime.resize.plan_resize
 
     def remember(*a, **kw):
         rs = real_plan(*a, **kw)
@@ -417,13 +417,13 @@ def _bad_requests_body(rank, world):
         return rs
 
     rs_layers = []
-    eplb.resize._execute_layer, eplb.resize.plan_resize = corrupting, remember
+    eplb.runtime.resize._execute_layer, eplb.runtime.resize.plan_resize = corrupting, remember
     try:
         with pytest.raises(ResizeVerificationError, match="verification failed on layer 0: new slots "
                                                           r"\[9\]") as e:
             resize_expert_parallel(model, [0, 1], everyone, runtime=res.runtime, config=cfg)
     finally:
-        eplb.resize._execute_layer, eplb.resize.plan_resize = real, real_plan
+        eplb.runtime.resize._execute_layer, eplb.runtime.resize.plan_resize = real, real_plan
     assert e.value.layer == 0 and e.value.bad_slots == [9]
 
 
@@ -434,7 +434,7 @@ def test_bad_requests_fail_on_every_rank_without_moving_anything():
 def test_resize_needs_torch_distributed():
     from moe import MoEModel
 
-    from eplb.resize import resize_expert_parallel
+    from eplb.runtime.resize import resize_expert_parallel
 
     with pytest.raises(ValueError, match="not initialized"):
         resize_expert_parallel(MoEModel(_args()), [0], [0, 1])

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from _dist import assert_same_on_every_rank, device_for, run_distributed
-from eplb.config import EplbConfig
-from eplb.placement import Placement
+from eplb.core.config import EplbConfig
+from eplb.core.placement import Placement
 from eplb.runtime import EplbRuntime
 
 
@@ -245,7 +245,7 @@ def test_listener_receives_events():
 def _failing_transfer_body(rank, world):
     """A transfer that fails at the third layer on every rank: layers 0-1 are new, 2-3
     old, maps match weights everywhere, and the model still equals the reference."""
-    import eplb.transfer
+    import eplb.runtime.transfer
     from moe import DenseMoEModel, MoEModel, sample_tokens
 
     from eplb.runtime import RebalanceError
@@ -258,7 +258,7 @@ def _failing_transfer_body(rank, world):
     old = runtime.placement
     rng = np.random.default_rng(11)  # same on every rank
     target = np.stack([rng.permutation(np.arange(old.num_slots) % args.num_experts) for _ in range(4)])
-    real = eplb.transfer.exchange_layer
+    real = eplb.runtime.transfer.exchange_layer
     calls = []
 
     def flaky(plan, weights, group, staging, **kw):
@@ -267,12 +267,12 @@ def _failing_transfer_body(rank, world):
             raise RuntimeError("injected transfer failure")
         return real(plan, weights, group, staging, **kw)
 
-    eplb.transfer.exchange_layer = flaky
+    eplb.runtime.transfer.exchange_layer = flaky
     try:
         with pytest.raises(RebalanceError, match="after 2 of 4 changed layers.*injected transfer failure"):
             runtime.apply_placement(old.with_physical_to_logical(target, "test"))
     finally:
-        eplb.transfer.exchange_layer = real
+        eplb.runtime.transfer.exchange_layer = real
     p2l = runtime.placement.physical_to_logical
     assert np.array_equal(p2l[:2], target[:2]) and np.array_equal(p2l[2:], old.physical_to_logical[2:])
     _check_slots(args, runtime, device)

@@ -23,9 +23,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from _dist import free_port
-from eplb.cli import main
-from eplb.metrics import EplbMetrics
-from eplb.server import EplbServer, load_token
+from eplb.ops.cli import main
+from eplb.ops.metrics import EplbMetrics
+from eplb.ops.server import EplbServer, load_token
 from test_metrics import break_rebalances, make_runtime, skewed_pass
 
 TOKEN = "test-token-0123456789"
@@ -327,7 +327,7 @@ def test_trigger_cli_wait_times_out(capsys):
 def test_trigger_console_script_bad_token(job):
     """The installed entry point: exit status 2 and one line on stderr."""
     script = Path(sys.executable).parent / "eplb"
-    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "eplb.cli"]
+    cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "eplb.ops.cli"]
     r = subprocess.run(cmd + ["trigger", job.server.url, "--token", "nope"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and r.stdout == ""
@@ -336,7 +336,7 @@ def test_trigger_console_script_bad_token(job):
 
 
 def test_demo_serves_metrics_then_holds(tmp_path, monkeypatch):
-    """`python -m eplb.demo --metrics-port 0 --metrics-hold S` (one rank, torchrun's
+    """`python -m eplb.ops.demo --metrics-port 0 --metrics-hold S` (one rank, torchrun's
     environment): prints the URL once, serves the final values for S seconds, exits 0."""
     token = tmp_path / "token"
     token.write_text(TOKEN)
@@ -345,7 +345,7 @@ def test_demo_serves_metrics_then_holds(tmp_path, monkeypatch):
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1")
     hold = 1.5
-    p = subprocess.Popen([sys.executable, "-m", "eplb.demo", "--steps", "20", "--rebalance-every", "10",
+    p = subprocess.Popen([sys.executable, "-m", "eplb.ops.demo", "--steps", "20", "--rebalance-every", "10",
                           "--layers", "2", "--experts", "8", "--tokens", "32", "--hidden", "16",
                           "--intermediate", "16", "--metrics-port", "0", "--metrics-interval", "5",
                           "--metrics-hold", str(hold), "--token-file", str(token)],
@@ -441,7 +441,7 @@ def test_binds_loopback_by_default_and_warns_otherwise(caplog):
     with EplbServer(rt) as srv:
         assert srv.host == "127.0.0.1" and srv._httpd.server_address[0] == "127.0.0.1"
         assert request(srv, "GET", "/healthz")[0] == 200
-    with caplog.at_level("WARNING", logger="eplb.server"):
+    with caplog.at_level("WARNING", logger="eplb.ops.server"):
         for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
             EplbServer(rt, host=host)  # loopback: no warning (never started)
         assert caplog.records == []

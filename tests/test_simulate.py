@@ -1,4 +1,4 @@
-"""eplb.simulate (the offline replay engine) and `eplb simulate`: figures checked by hand on
+"""eplb.core.simulate (the offline replay engine) and `eplb simulate`: figures checked by hand on
 tiny traces, decay as the recorder applies it, the CLI end to end and its one-line errors."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from _cli import run_main
-from eplb.placement import Placement
-from eplb.policy import register_policy
-from eplb.simulate import aggregate_steps, simulate, step_imbalance, window_load
+from eplb.core.placement import Placement
+from eplb.core.policy import register_policy
+from eplb.core.simulate import aggregate_steps, simulate, step_imbalance, window_load
 
 PLANEVAL = Path(__file__).resolve().parents[2] / "shared" / "tools" / "planeval.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -54,13 +54,13 @@ TEST_POLICIES = {"_test_hot": _hot_policy, "_test_weighted": _weighted_policy, "
 @pytest.fixture(autouse=True, scope="module")
 def _test_policies():
     """Register the test policies for this module only (no other test sees them)."""
-    import eplb.policy
+    import eplb.core.policy
 
     for name, fn in TEST_POLICIES.items():
         register_policy(name)(fn)
     yield
     for name in TEST_POLICIES:
-        eplb.policy._REGISTRY.pop(name, None)
+        eplb.core.policy._REGISTRY.pop(name, None)
 
 
 A = [1, 1, 6, 0]  # expert 2 hot
@@ -245,7 +245,7 @@ def test_cli_esft_table_json_and_plot(tmp_path, capsys):
     assert oracle < planned < none_mean
     assert float(rows["deepseek"][1]) == pytest.approx(planned, abs=6e-4)  # table = JSON figure
     # the "none" figure is the static placement scored directly
-    from eplb.simulate import read_trace
+    from eplb.core.simulate import read_trace
 
     agg = aggregate_steps(read_trace("esft"), 20)
     static = step_imbalance(agg, Placement.initial(26, 64, 80, 16)).mean(1)[1:]
@@ -311,12 +311,12 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
 
 
 def test_cli_console_script_runs(tmp_path):
-    """`python -m eplb.cli simulate ...` as a subprocess: exit 0, table on stdout."""
+    """`python -m eplb.ops.cli simulate ...` as a subprocess: exit 0, table on stdout."""
     import subprocess
 
     path = tmp_path / "t.npy"
     np.save(path, np.repeat(TINY, 2, axis=0))
-    p = subprocess.run([sys.executable, "-m", "eplb.cli", "simulate", str(path), "--num-gpus", "2",
+    p = subprocess.run([sys.executable, "-m", "eplb.ops.cli", "simulate", str(path), "--num-gpus", "2",
                         "--num-slots", "6", "--window", "1", "--interval", "1", "--policy", "deepseek"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr

@@ -57,7 +57,7 @@ def _sample() -> dict[str, int]:
 def _soak_body(rank, world, steps, warmup, out_dir):
     from moe import DenseMoEModel, MoEArgs, MoEModel, expert_weights_for, sample_tokens
 
-    from eplb.config import EplbConfig
+    from eplb.core.config import EplbConfig
     from eplb.runtime import EplbRuntime
 
     args = MoEArgs(hidden_size=16, intermediate_size=8, num_layers=2, num_experts=8, top_k=2,

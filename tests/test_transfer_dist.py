@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from _dist import device_for, run_distributed
-from eplb.placement import Placement
-from eplb.transfer import (
+from eplb.core.placement import Placement
+from eplb.runtime.transfer import (
     TransferExecutor,
     allocate_staging,
     execute_layer_transfer,
@@ -207,7 +207,7 @@ CHUNKS = (3, 20, 36, 48, 100, 1 << 30)  # < one element, < one expert, = w2's, =
 def _run_chunked(rank: int, world_size: int, seed: int, N: int, P: int) -> None:
     """Every chunk size, random transitions: exchange_layer leaves weights untouched and
     fills staging bitwise; write_layer then gives every slot its new expert."""
-    from eplb.transfer import P2PTransport, exchange_layer, staging_rows, write_layer
+    from eplb.runtime.transfer import P2PTransport, exchange_layer, staging_rows, write_layer
 
     device = device_for(rank)
     S = P // world_size
@@ -245,7 +245,7 @@ def _run_chunked(rank: int, world_size: int, seed: int, N: int, P: int) -> None:
 def _run_swap_direct(rank: int, world_size: int) -> None:
     """Whole-layer swap with contiguous weights: one message per tensor and direction,
     sent straight from the weights (no pack buffer); chunked, several per tensor."""
-    from eplb.transfer import P2PTransport, exchange_layer, write_layer
+    from eplb.runtime.transfer import P2PTransport, exchange_layer, write_layer
 
     device = device_for(rank)
     S = 6
@@ -267,7 +267,7 @@ def _run_swap_direct(rank: int, world_size: int) -> None:
 def _run_pack_in_spare_rows(rank: int, world_size: int) -> None:
     """Scattered sends are packed; with staging for S rows and few rows used, the pack
     buffers live in the unused rows (nothing allocated), else they are allocated."""
-    from eplb.transfer import P2PTransport, exchange_layer, write_layer
+    from eplb.runtime.transfer import P2PTransport, exchange_layer, write_layer
 
     device = device_for(rank)
     S = 8
@@ -308,7 +308,7 @@ def _run_pack_in_spare_rows(rank: int, world_size: int) -> None:
 def _run_executor_transports(rank: int, world_size: int, seed: int) -> None:
     """TransferExecutor with a small chunk and with 'auto' (gloo: point-to-point); on CPU
     'ipc' fails on every rank with one clear error."""
-    from eplb.transfer import P2PTransport, make_transport
+    from eplb.runtime.transfer import P2PTransport, make_transport
 
     device = device_for(rank)
     N, P = 6, 4 * world_size
@@ -332,7 +332,7 @@ def _run_executor_transports(rank: int, world_size: int, seed: int) -> None:
 def _run_chunked_subgroups(rank: int, world_size: int, seed: int) -> None:
     """Disjoint 2-rank groups ({0, 2}, {1, 3}), chunks smaller than an expert: peers are
     group-relative and mapped to global ranks."""
-    from eplb.transfer import P2PTransport
+    from eplb.runtime.transfer import P2PTransport
 
     device = device_for(rank)
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -379,7 +379,7 @@ def test_coalesced_chunked_subgroups():
 
 def test_copy_flat_range_matches_flatten():
     """Packing reads any element range of any strided view in row-major order."""
-    from eplb.transports import _copy_flat_range, _gather
+    from eplb.runtime.transports import _copy_flat_range, _gather
 
     g = torch.Generator().manual_seed(0)
     base = torch.randn(5, 6, 7, generator=g)
@@ -403,7 +403,7 @@ def test_copy_flat_range_matches_flatten():
 
 
 def test_execution_input_errors():
-    from eplb.transfer import P2PTransport, exchange_layer, make_transport, write_layer
+    from eplb.runtime.transfer import P2PTransport, exchange_layer, make_transport, write_layer
 
     old, new = np.array([0, 1, 2, 3]), np.array([1, 0, 2, 3])
     plan = plan_layer_transfer(old, new, 1, 0)

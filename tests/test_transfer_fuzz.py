@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import device_for, run_distributed
-from eplb.transfer import TransferExecutor, TransferVerificationError, slot_checksums
+from eplb.runtime.transfer import TransferExecutor, TransferVerificationError, slot_checksums
 
 L_FUZZ = 2
 KINDS = ("random", "same", "permute", "hot", "dup_on_rank", "swap")
@@ -158,7 +158,7 @@ def _corrupt_body(rank: int, world: int, bad_layer: int, bad_rank: int) -> None:
     """Layer `bad_layer`'s copy into a slot flips a value on `bad_rank` only: every rank
     raises TransferVerificationError, before that layer's on_layer_done; earlier layers
     are done and correct."""
-    import eplb.transfer
+    import eplb.runtime.transfer
 
     device = device_for(rank)
     N, S, L = 6, 3, 4
@@ -169,7 +169,7 @@ def _corrupt_body(rank: int, world: int, bad_layer: int, bad_rank: int) -> None:
     new = np.stack([rng.permutation(old[0]) for _ in range(L)])
     layers = [make_layer(layer, old[layer, local], device) for layer in range(L)]
     weights = [[a, b] for a, _big, b in layers]
-    real = eplb.transfer.execute_layer_transfer
+    real = eplb.runtime.transfer.execute_layer_transfer
 
     def corrupting(plan, ws, group=None, staging=None):
         got = real(plan, ws, group, staging)
@@ -178,12 +178,12 @@ def _corrupt_body(rank: int, world: int, bad_layer: int, bad_rank: int) -> None:
         return got
 
     done = []
-    eplb.transfer.execute_layer_transfer = corrupting
+    eplb.runtime.transfer.execute_layer_transfer = corrupting
     try:
         with pytest.raises(TransferVerificationError, match=f"layer {bad_layer}") as info:
             TransferExecutor(verify=True).execute(old, new, weights, on_layer_done=done.append)
     finally:
-        eplb.transfer.execute_layer_transfer = real
+        eplb.runtime.transfer.execute_layer_transfer = real
     assert done == list(range(bad_layer))
     assert info.value.layer == bad_layer and len(info.value.bad_slots) == 1
     assert info.value.bad_slots[0] // S == bad_rank
@@ -204,10 +204,10 @@ def _runtime_corrupt_body(rank: int, world: int) -> None:
     staging (third changed layer, rank 0 only) makes the rebalance fail on every rank
     before that layer is written; layers before it are new, it and later layers old, maps
     matching weights in every layer, and the model keeps serving."""
-    import eplb.transfer
+    import eplb.runtime.transfer
     from moe import DenseMoEModel, MoEModel, sample_tokens
 
-    from eplb.config import EplbConfig
+    from eplb.core.config import EplbConfig
     from eplb.runtime import EplbRuntime, RebalanceError
     from test_runtime import _args, _check_slots
 
@@ -219,7 +219,7 @@ def _runtime_corrupt_body(rank: int, world: int) -> None:
     old = runtime.placement
     rng = np.random.default_rng(11)
     target = np.stack([rng.permutation(np.arange(old.num_slots) % args.num_experts) for _ in range(4)])
-    real = eplb.transfer.exchange_layer
+    real = eplb.runtime.transfer.exchange_layer
     calls = []
 
     def corrupting(plan, ws, group, staging, **kw):
@@ -230,12 +230,12 @@ def _runtime_corrupt_body(rank: int, world: int) -> None:
             staging[0][0].view(-1)[0] += 1
         return got
 
-    eplb.transfer.exchange_layer = corrupting
+    eplb.runtime.transfer.exchange_layer = corrupting
     try:
         with pytest.raises(RebalanceError, match="after 2 of 4 changed layers.*(TransferVerificationError|rank 0 failed)"):
             runtime.apply_placement(old.with_physical_to_logical(target, "test"))
     finally:
-        eplb.transfer.exchange_layer = real
+        eplb.runtime.transfer.exchange_layer = real
     p2l = runtime.placement.physical_to_logical
     assert np.array_equal(p2l[:2], target[:2]) and np.array_equal(p2l[2:], old.physical_to_logical[2:])
     _check_slots(args, runtime, device)  # every layer, the failed one too, matches its maps
@@ -249,7 +249,7 @@ def test_runtime_verification_failure_keeps_earlier_layers():
 
 
 def test_verify_transfers_config_field():
-    from eplb.config import EplbConfig
+    from eplb.core.config import EplbConfig
 
     assert EplbConfig().verify_transfers is False
     assert EplbConfig(verify_transfers=True).verify(8, 2, num_physical_experts=8).verify_transfers

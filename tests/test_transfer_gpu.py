@@ -22,7 +22,7 @@ from test_transfer_dist import (
     transitions,
 )
 
-from eplb.transfer import (
+from eplb.runtime.transfer import (
     AUTO_PREFERS_IPC,
     IpcTransport,
     P2PTransport,

@@ -6,8 +6,8 @@ from collections import Counter, defaultdict
 import numpy as np
 import pytest
 
-from eplb.placement import Placement
-from eplb.transfer import (
+from eplb.core.placement import Placement
+from eplb.runtime.transfer import (
     LayerTransferPlan,
     assign_senders,
     in_place_ops,

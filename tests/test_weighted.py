@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from _dist import assert_same_on_every_rank, device_for, run_distributed
-from eplb.config import EplbConfig
-from eplb.placement import Placement
+from eplb.core.config import EplbConfig
+from eplb.core.placement import Placement
 from eplb.protocol import (MixtureOfExperts, SupportsReplicaWeights, replica_cdf,
                            supports_replica_weights)
 from eplb.runtime import EplbRuntime
@@ -350,10 +350,10 @@ def _fixed_weighted_policy(load, num_slots, num_gpus, num_nodes, num_groups, pre
 
 
 def _rebalance_shares_body(rank, world):
-    import eplb.policy
+    import eplb.core.policy
     from moe import DenseMoEModel, MoEModel, sample_tokens
 
-    eplb.policy.register_policy("_test_weighted")(_fixed_weighted_policy)
+    eplb.core.policy.register_policy("_test_weighted")(_fixed_weighted_policy)
     device = device_for(rank)
     args = _args()
     model = MoEModel(args, group=dist.group.WORLD, device=device)
@@ -377,9 +377,9 @@ def _rebalance_shares_body(rank, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_rebalance_broadcasts_planned_shares(world):
     if world == 1:
-        import eplb.policy
+        import eplb.core.policy
 
-        eplb.policy.register_policy("_test_weighted")(_fixed_weighted_policy)
+        eplb.core.policy.register_policy("_test_weighted")(_fixed_weighted_policy)
         try:
             from moe import MoEModel, sample_tokens
 
@@ -393,6 +393,6 @@ def test_rebalance_broadcasts_planned_shares(world):
             runtime.rebalance()
             assert runtime.placement.shares is not None
         finally:
-            eplb.policy._REGISTRY.pop("_test_weighted", None)
+            eplb.core.policy._REGISTRY.pop("_test_weighted", None)
     else:
         run_distributed(_rebalance_shares_body, world)

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from eplb.workload import TRACES, SkewedDriftWorkload, TraceWorkload, load_trace, routing_bias
+from eplb.core.workload import TRACES, SkewedDriftWorkload, TraceWorkload, load_trace, routing_bias
 
 
 def hot_set(pop: np.ndarray, k: int) -> list[set[int]]:  # per layer: the k most popular experts

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from eplb.placement import Placement
+from eplb.core.placement import Placement
 
 from ..model import eplb_state_for
 from ..state import check_num_layers
@@ -144,7 +144,7 @@ class ExpertParallelModel(nn.Module):
     def update_physical_experts_metadata(self, num_physical_experts: int,
                                          num_local_physical_experts: int, *,
                                          reallocate: bool = False) -> None:
-        """Elastic resize (`eplb.resize`): when S changes (or `reallocate`), every layer
+        """Elastic resize (`eplb.runtime.resize`): when S changes (or `reallocate`), every layer
         gets fresh zero [S, ...] stacked tensors for the caller to fill; when P or the
         storage changes the layers drop their routing state until `set_eplb_state`."""
         P, S = num_physical_experts, num_local_physical_experts

@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.policy.moves import plan_rows
-from eplb.policy.shares import plan_shares, replica_shares
-from eplb.policy.topology import plan_hierarchical
+from eplb.core.policy.moves import plan_rows
+from eplb.core.policy.shares import plan_shares, replica_shares
+from eplb.core.policy.topology import plan_hierarchical
 
 
 def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options=None):
@@ -87,7 +87,7 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
     w = np.asarray(load, dtype=np.float64)  # [L, N]
     L, N = w.shape
     P, M = int(num_slots), int(num_gpus)
-    from eplb.policy import DEFAULT_MOVE_TOLERANCE  # here: eplb.policy imports this module
+    from eplb.core.policy import DEFAULT_MOVE_TOLERANCE  # here: eplb.core.policy imports this module
 
     tol = DEFAULT_MOVE_TOLERANCE if options is None else float(options.move_tolerance)
     weighted = False if options is None else bool(options.weighted)
@@ -96,7 +96,7 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
     hierarchical = k > 1 and num_groups % k == 0
     if (P * k > N * M) if hierarchical else (P > N * M):
         # more slots per GPU than experts to fill them: duplicates cannot be avoided
-        from eplb.policy import deepseek_policy
+        from eplb.core.policy import deepseek_policy
 
         p2l = deepseek_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options)
         return (p2l, replica_shares(w, p2l, M)) if weighted else p2l

@@ -1,6 +1,6 @@
 """HTTP endpoint of an EPLB job: Prometheus metrics, health, placement and an
 authenticated rebalance trigger. Started on rank 0 only (rank 0 aggregates the metrics,
-see `eplb.metrics`), so a job is one scrape target.
+see `eplb.ops.metrics`), so a job is one scrape target.
 
     metrics = EplbMetrics(runtime)                       # every rank
     if runtime.rank == 0:
@@ -42,7 +42,7 @@ Hardening (each point has a test in tests/test_server.py):
     {"error": "..."} with a fixed message (500: "internal error (see the server log)");
     the one exception is a failed rebalance's reason in GET /rebalance/<id>, a single
     line of at most 300 characters, which the operator asked for with the token;
-  * requests are logged only at DEBUG level on the "eplb.server" logger.
+  * requests are logged only at DEBUG level on the "eplb.ops.server" logger.
 
 `trigger_rebalance()` / `rebalance_status()` / `wait_for_rebalance()` are the client side,
 used by `eplb trigger`; `fetch_load()` is `eplb record`'s.
@@ -69,10 +69,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from eplb.metrics import EplbMetrics
+    from eplb.ops.metrics import EplbMetrics
     from eplb.runtime import EplbRuntime
 
-log = logging.getLogger("eplb.server")
+log = logging.getLogger("eplb.ops.server")
 
 MAX_BODY = 4096  # bytes; POST /rebalance takes no body, this only bounds what we read
 MAX_REQUEST_LINE = 2048  # bytes of "METHOD /path HTTP/1.x\r\n" (414 beyond)

@@ -2,8 +2,8 @@
 rebalanced by EplbRuntime on schedule. One process per rank.
 
     eplb demo --nproc 4                                  # launches the ranks for you
-    torchrun --nproc-per-node 4 -m eplb.demo --steps 200 # the same job under torchrun
-    eplb demo --model qwen3_moe --verify                 # a tiny transformers model (eplb.demo_hf)
+    torchrun --nproc-per-node 4 -m eplb.ops.demo --steps 200 # the same job under torchrun
+    eplb demo --model qwen3_moe --verify                 # a tiny transformers model (eplb.ops.demo_hf)
 
 This is the application layer: the only `eplb` module that imports `moe`.
 """
@@ -20,15 +20,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from eplb.config import EplbConfig
-from eplb.placement import Placement, balancedness_of_gpu_loads
-from eplb.progress import ProgressBar
+from eplb.core.config import EplbConfig
+from eplb.core.placement import Placement, balancedness_of_gpu_loads
+from eplb.ops.progress import ProgressBar
 from eplb.runtime import EplbFatalError, EplbRuntime
-from eplb.workload import SkewedDriftWorkload, TraceWorkload, load_trace, routing_bias
+from eplb.core.workload import SkewedDriftWorkload, TraceWorkload, load_trace, routing_bias
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
-    """Arguments shared by `eplb demo` and `python -m eplb.demo`."""
+    """Arguments shared by `eplb demo` and `python -m eplb.ops.demo`."""
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu: gloo ranks; cuda: one rank per GPU on NCCL")
     p.add_argument("--steps", type=int, default=300, help="forward steps to run (default 300)")
@@ -126,7 +126,7 @@ def check_demo_arguments(a: argparse.Namespace) -> None:
             raise ValueError(f"--metrics-interval: must be >= 1, got {a.metrics_interval}")
         if not 0 <= a.metrics_hold <= 86400:
             raise ValueError(f"--metrics-hold: must be in 0..86400 seconds, got {a.metrics_hold:g}")
-        from eplb.server import load_token
+        from eplb.ops.server import load_token
 
         load_token(token_file=a.token_file)  # unreadable or empty token file: one line, early
     a.experts = a.experts or (64 if a.trace else 32)
@@ -185,7 +185,7 @@ def setup(a: argparse.Namespace, world: int):
                         rebalance_interval=a.rebalance_every, policy=a.policy,
                         async_rebalance=a.async_rebalance, min_gain=a.min_gain)
     config.verify(a.experts, world)  # config errors first: they name the EPLB fields
-    if a.model:  # the transformers model is built on the ranks (eplb.demo_hf)
+    if a.model:  # the transformers model is built on the ranks (eplb.ops.demo_hf)
         return config, None, None
     args = MoEArgs(hidden_size=a.hidden, intermediate_size=a.intermediate, num_layers=a.layers,
                    num_experts=a.experts, top_k=a.top_k, num_redundant_experts=redundant,
@@ -275,7 +275,7 @@ def run(a: argparse.Namespace) -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if a.device == "cuda" \
         else torch.device("cpu")
     if a.model:
-        from eplb.demo_hf import HFJob
+        from eplb.ops.demo_hf import HFJob
 
         config, _, _ = setup(a, world)
         tolerance = HF_BF16_TOLERANCE if a.dtype == "bfloat16" else HF_FP32_TOLERANCE
@@ -392,8 +392,8 @@ def start_metrics(a: argparse.Namespace, runtime: EplbRuntime, device: torch.dev
     rank stops with one line."""
     if a.metrics_port is None:
         return None
-    from eplb.metrics import EplbMetrics
-    from eplb.server import EplbServer
+    from eplb.ops.metrics import EplbMetrics
+    from eplb.ops.server import EplbServer
 
     metrics = EplbMetrics(runtime, interval=a.metrics_interval,
                           per_expert_replicas=a.metrics_replicas,
@@ -456,8 +456,8 @@ DEMO_BIAS_STRENGTH = 0.015
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of one rank (`python -m eplb.demo` under torchrun or `eplb demo`)."""
-    p = argparse.ArgumentParser(prog="python -m eplb.demo", description=__doc__)
+    """Entry point of one rank (`python -m eplb.ops.demo` under torchrun or `eplb demo`)."""
+    p = argparse.ArgumentParser(prog="python -m eplb.ops.demo", description=__doc__)
     add_demo_arguments(p)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -1,7 +1,7 @@
 """Placement policies: pure functions of (load, topology, previous) -> physical_to_logical.
 
 A policy is registered under a name and looked up by it (`EplbConfig.policy`, the CLI,
-`eplb.planning.plan`). Every policy has the `PolicyFn` signature below; `plan()` checks
+`eplb.core.planning.plan`). Every policy has the `PolicyFn` signature below; `plan()` checks
 its inputs before the call and validates its output after, so a policy does neither.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Callable, Optional, Protocol, Union
 import numpy as np
 import torch
 
-from eplb.placement import Placement
-from eplb.policy import balanced, deepseek
+from eplb.core.placement import Placement
+from eplb.core.policy import balanced, deepseek
 
 
 DEFAULT_MOVE_TOLERANCE = 0.03  # the same default as EplbConfig.move_tolerance (see there)
@@ -72,7 +72,7 @@ def get_policy(name: str) -> PolicyFn:
 
 @register_policy("deepseek")
 def deepseek_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options=None):
-    """DeepSeek EPLB as published (see `eplb.policy.deepseek`); ignores `previous`."""
+    """DeepSeek EPLB as published (see `eplb.core.policy.deepseek`); ignores `previous`."""
     phy2log, _, _ = deepseek.rebalance_experts(
         torch.tensor(load, dtype=torch.float64), num_slots, num_groups, num_nodes, num_gpus
     )  # [L, P]
@@ -84,7 +84,7 @@ register_policy("balanced")(balanced.balanced_policy)
 
 @register_policy("default")
 def default_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options=None):
-    """The `balanced` policy (see `eplb.policy.balanced.balanced_policy`): better balance
+    """The `balanced` policy (see `eplb.core.policy.balanced.balanced_policy`): better balance
     than `deepseek`, no two replicas of one expert on one GPU, node locality kept in the
     hierarchical case, few moves when `previous` is given (`options.move_tolerance`), and
     per-slot shares when `options.weighted`. `deepseek` stays as the faithful baseline."""

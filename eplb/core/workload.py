@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from eplb.loadio import MAX_LOAD_ELEMENTS
+from eplb.core.loadio import MAX_LOAD_ELEMENTS
 
-DATA_DIR = Path(__file__).parent / "data"
+DATA_DIR = Path(__file__).parent.parent / "data"
 TRACES = {"esft": DATA_DIR / "esft_dsv2lite_alltasks_per_seq.npz"}
 
 

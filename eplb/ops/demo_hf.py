@@ -18,16 +18,16 @@ import copy
 import torch
 import torch.distributed as dist
 
-from eplb.config import EplbConfig
+from eplb.core.config import EplbConfig
 from eplb.runtime import EplbRuntime
-from eplb.workload import SkewedDriftWorkload
+from eplb.core.workload import SkewedDriftWorkload
 
 GENERATE_TOKENS = 8  # new tokens of the final greedy generate() under --verify
 
 
 class HFJob:
     """One rank's transformers model, its runtime, the unmodified copy (--verify) and the
-    token-id workload; the same interface as `eplb.demo.ReferenceJob`."""
+    token-id workload; the same interface as `eplb.ops.demo.ReferenceJob`."""
 
     def __init__(self, a: argparse.Namespace, config: EplbConfig, tolerance: float, group,
                  device: torch.device):

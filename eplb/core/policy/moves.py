@@ -6,11 +6,11 @@ from typing import Optional
 
 import numpy as np
 
-from eplb.policy.budgets import PREV_ITERS, PREV_WORK, SMALL, iterations
-from eplb.policy.packing import repair_duplicates
-from eplb.policy.refinement import improve_max
-from eplb.policy.rows import counts_of, max_load
-from eplb.policy.solve import solve
+from eplb.core.policy.budgets import PREV_ITERS, PREV_WORK, SMALL, iterations
+from eplb.core.policy.packing import repair_duplicates
+from eplb.core.policy.refinement import improve_max
+from eplb.core.policy.rows import counts_of, max_load
+from eplb.core.policy.solve import solve
 
 
 def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, with_source: bool = False):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.policy.replicas import expand
-from eplb.policy.rows import argsort_rows, counts_of, gpu_sums, has_duplicates, max_load, presence, slot_loads, take
+from eplb.core.policy.replicas import expand
+from eplb.core.policy.rows import argsort_rows, counts_of, gpu_sums, has_duplicates, max_load, presence, slot_loads, take
 
 
 def pack(w: np.ndarray, c: np.ndarray, m: int) -> np.ndarray:

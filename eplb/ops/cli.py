@@ -43,8 +43,8 @@ _DEMO_LIMITS = {"steps": 10**7, "layers": 1024, "experts": 4096, "redundant": 40
 def cmd_demo(a: argparse.Namespace) -> int:
     import torch
 
-    from eplb.demo import check_demo_arguments, setup
-    from eplb.launch import launch
+    from eplb.ops.demo import check_demo_arguments, setup
+    from eplb.ops.launch import launch
 
     for name, limit in _DEMO_LIMITS.items():  # sizes the ranks would allocate: refuse early
         value = getattr(a, name, None)
@@ -77,13 +77,13 @@ def cmd_demo(a: argparse.Namespace) -> int:
             skip = "=" not in arg
             continue
         out.append(arg)
-    return launch("eplb.demo", out, nproc)
+    return launch("eplb.ops.demo", out, nproc)
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    from eplb.loadio import read_load
-    from eplb.placement import Placement
-    from eplb.planning import plan
+    from eplb.core.loadio import read_load
+    from eplb.core.placement import Placement
+    from eplb.core.planning import plan
 
     load = read_load(a.load)  # [L, N]
     previous = None
@@ -114,7 +114,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
 
 def cmd_trigger(a: argparse.Namespace) -> int:
-    from eplb.server import (TriggerError, describe_status, load_token, trigger_rebalance,
+    from eplb.ops.server import (TriggerError, describe_status, load_token, trigger_rebalance,
                              wait_for_rebalance)
 
     if a.wait is not None and not 0 <= a.wait <= 86400:
@@ -160,7 +160,7 @@ def _record_counts(d: dict, key: str, url: str):
     """`d[key]` of a /load answer as a checked [L, N] array (int64 when all integral)."""
     import numpy as np
 
-    from eplb.loadio import as_load
+    from eplb.core.loadio import as_load
 
     if key not in d:
         raise ValueError(f"{url}: the answer has no {key} (an eplb older than the load export?)")
@@ -174,8 +174,8 @@ def _record_counts(d: dict, key: str, url: str):
 def cmd_record(a: argparse.Namespace) -> int:
     import numpy as np
 
-    from eplb.loadio import MAX_LOAD_ELEMENTS
-    from eplb.server import TriggerError, fetch_load
+    from eplb.core.loadio import MAX_LOAD_ELEMENTS
+    from eplb.ops.server import TriggerError, fetch_load
 
     out = Path(a.out)
     trace = a.count is not None or a.every is not None
@@ -271,8 +271,8 @@ def _float(name: str):
 def cmd_simulate(a: argparse.Namespace) -> int:
     import importlib.util
 
-    from eplb.progress import ProgressBar
-    from eplb.simulate import (aggregate_steps, format_table, plot_result, read_trace, rebalance_steps,
+    from eplb.ops.progress import ProgressBar
+    from eplb.core.simulate import (aggregate_steps, format_table, plot_result, read_trace, rebalance_steps,
                                simulate)
 
     for opt, path in (("--json", a.json), ("--plot", a.plot)):
@@ -320,12 +320,12 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from eplb.config import EplbConfig
+    from eplb.core.config import EplbConfig
 
-    from eplb.demo import add_demo_arguments
+    from eplb.ops.demo import add_demo_arguments
 
     from eplb import __version__
-    from eplb.policy import available_policies
+    from eplb.core.policy import available_policies
 
     p = _Parser(prog="eplb", description="Expert-parallel load balancer for MoE models.")
     p.add_argument("--version", action="version", version=f"eplb {__version__}")

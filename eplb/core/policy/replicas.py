@@ -6,7 +6,7 @@ from typing import Optional
 
 import numpy as np
 
-from eplb.policy.rows import REL_EPS, argsort_rows, take
+from eplb.core.policy.rows import REL_EPS, argsort_rows, take
 
 
 def replica_counts(w: np.ndarray, p: int, cap: int) -> np.ndarray:

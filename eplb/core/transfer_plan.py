@@ -5,7 +5,7 @@ which local slots stay, which are filled from an expert the rank already holds, 
 experts arrive from which peer and what the rank sends to whom, plus what the in-place
 move over CUDA IPC needs (`hold_slots`, where each send lands: `in_place_ops`). Every
 rank runs the same deterministic computation on the same inputs, so sends and receives
-match by construction, with no negotiation round. `eplb.transfer` carries plans out.
+match by construction, with no negotiation round. `eplb.runtime.transfer` carries plans out.
 
 Ranks here are *group-relative* (0 .. group size - 1). Slot `p` of a layer lives on rank
 `p // (P // num_ranks)`.
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.placement import Placement
+from eplb.core.placement import Placement
 
 __all__ = [
     "LayerTransferPlan",

@@ -1,5 +1,5 @@
 """Transports: how one layer's experts travel into a rank's staging buffer (and, for the
-IPC transport, straight into the slots). `eplb.transfer` drives them.
+IPC transport, straight into the slots). `eplb.runtime.transfer` drives them.
 
 * `P2PTransport`: torch.distributed point-to-point, NCCL or gloo; per peer and tensor one
   stream of experts cut into `chunk_bytes` messages, sent straight from contiguous slot
@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from eplb.transfer_plan import LayerTransferPlan, _hold_rows, in_place_ops
+from eplb.core.transfer_plan import LayerTransferPlan, _hold_rows, in_place_ops
 
 __all__ = [
     "AUTO_PREFERS_IPC",
@@ -443,7 +443,7 @@ class IpcTransport:
         self.hold_chunk_bytes = hold_chunk_bytes
         self._can_move = self.hold is not None  # the same verdict on every rank
         self.moves = 0  # layers moved in place so far (`move` calls with work)
-        from eplb.control import new_group_like
+        from eplb.runtime.control import new_group_like
 
         # the "slots settled" tokens: CPU messages, so a background exchange launches no
         # NCCL kernel (`timeout`: how long a token may take before the exchange fails)
@@ -686,7 +686,7 @@ def make_transport(kind: str = "auto", expert_weights: Sequence[Sequence[torch.T
         except RuntimeError as e:  # raised on every rank alike
             import logging
 
-            logging.getLogger("eplb.transfer").info("auto transport: NCCL (%s)", e)
+            logging.getLogger("eplb.runtime.transfer").info("auto transport: NCCL (%s)", e)
             return p2p
     return IpcTransport(expert_weights, group, timeout)
 

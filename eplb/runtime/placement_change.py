@@ -44,14 +44,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from eplb import transfer as _transfer
-from eplb.control import PendingMin, agree_min
-from eplb.placement import Placement
-from eplb.transfer import (LayerTransferPlan, TransferVerificationError, allocate_staging,
+from eplb.runtime import transfer as _transfer
+from eplb.runtime.control import PendingMin, agree_min
+from eplb.core.placement import Placement
+from eplb.runtime.transfer import (LayerTransferPlan, TransferVerificationError, allocate_staging,
                            first_slot_of_expert, moves_in_place, plan_layer_transfer,
                            slot_checksums)
 
-log = logging.getLogger("eplb.placement_change")
+log = logging.getLogger("eplb.runtime.placement_change")
 
 
 LAUNCH_MODES = ("auto", "thread", "step")

@@ -2,10 +2,10 @@
 
 Three modules:
 
-* `eplb.transfer_plan` (pure, numpy): from the old and new `physical_to_logical` rows of
+* `eplb.core.transfer_plan` (pure, numpy): from the old and new `physical_to_logical` rows of
   one layer, one rank's plan: which local slots stay, which are filled from an expert the
   rank already holds, which experts arrive from which peer and what the rank sends;
-* `eplb.transports`: how experts travel (`P2PTransport`: NCCL or gloo point-to-point;
+* `eplb.runtime.transports`: how experts travel (`P2PTransport`: NCCL or gloo point-to-point;
   `IpcTransport`: CUDA IPC on one host; `make_transport`);
 * this module, the executor: it carries a plan out *into the model's own tensors*: weights
   are written with `copy_` into slot views, so storage and `data_ptr` never change and
@@ -47,8 +47,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from eplb.placement import Placement
-from eplb.transfer_plan import (  # noqa: F401 - re-exported
+from eplb.core.placement import Placement
+from eplb.core.transfer_plan import (  # noqa: F401 - re-exported
     InPlaceOps,
     LayerTransferPlan,
     TransferStats,
@@ -60,7 +60,7 @@ from eplb.transfer_plan import (  # noqa: F401 - re-exported
     plan_layer_transfers,
     transfer_stats,
 )
-from eplb.transports import (  # noqa: F401 - re-exported
+from eplb.runtime.transports import (  # noqa: F401 - re-exported
     AUTO_PREFERS_IPC,
     DEFAULT_CHUNK_BYTES,
     DEFAULT_HOLD_CHUNK_BYTES,

@@ -263,14 +263,14 @@ class Placement:
         if not path.is_file():
             raise ValueError(f"placement file not found: {path}")
         if path.suffix == ".npy":
-            from eplb.loadio import load_npy_checked
+            from eplb.core.loadio import load_npy_checked
 
             try:
                 d = {"physical_to_logical": load_npy_checked(path)}
             except Exception as e:  # empty, truncated, pickled, too large or not an .npy file
                 raise ValueError(f"{path}: not a readable placement .npy file ({_one_line(e)})") from None
         elif path.suffix == ".pt":
-            from eplb.loadio import torch_load_weights_only
+            from eplb.core.loadio import torch_load_weights_only
 
             d = torch_load_weights_only(path, "placement .pt")  # one ValueError line if refused
             if isinstance(d, dict):

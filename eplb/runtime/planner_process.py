@@ -8,7 +8,7 @@ Measured on 2 x H200 this delayed single steps by up to ~9 ms while a rebalance 
 planned (benchmarks/README.md, issue 4). A child process has its own interpreter: the
 step loop's thread only waits on a pipe, which releases the GIL.
 
-`PlannerProcess.plan(...)` takes the arguments of `eplb.planning.plan` and returns the
+`PlannerProcess.plan(...)` takes the arguments of `eplb.core.planning.plan` and returns the
 same Placement (the child runs that very function). The child is a plain
 `python -c` running `main()` below (no fork of the CUDA/NCCL process, no re-import of the
 user's script); it reads requests from its stdin and exits when that closes, so it never
@@ -33,15 +33,15 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from eplb.policy import DEFAULT_MOVE_TOLERANCE
+from eplb.core.policy import DEFAULT_MOVE_TOLERANCE
 
-log = logging.getLogger("eplb.planner_process")
+log = logging.getLogger("eplb.runtime.planner_process")
 
 _HEADER = struct.Struct("<Q")
 MAX_MESSAGE = 1 << 30  # bytes; a placement of any supported size is far below
 
 
-_CHILD = "import sys; from eplb.planner_process import main; sys.exit(main())"
+_CHILD = "import sys; from eplb.runtime.planner_process import main; sys.exit(main())"
 
 
 class PlannerProcessError(RuntimeError):
@@ -69,7 +69,7 @@ def _receive(stream: BinaryIO) -> Any:
 
 
 class PlannerProcess:
-    """A child process that runs `eplb.planning.plan` on request (one request at a time).
+    """A child process that runs `eplb.core.planning.plan` on request (one request at a time).
 
     Started at construction; the child imports the planner in the background while the
     caller goes on, and the first `plan()` waits for that. If the child dies, `plan()`
@@ -87,7 +87,7 @@ class PlannerProcess:
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("MKL_NUM_THREADS", "1")
         # the child imports this very eplb, even when it was put on sys.path by hand
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         self._proc = subprocess.Popen([sys.executable, "-c", _CHILD],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -129,7 +129,7 @@ class PlannerProcess:
     def plan(self, load, num_gpus: int, num_slots: int, num_nodes: int = 1, num_groups: int = 1,
              policy: str = "default", previous=None, *,
              move_tolerance: float = DEFAULT_MOVE_TOLERANCE, weighted: bool = False):
-        """`eplb.planning.plan(...)`, computed in the child; returns a Placement."""
+        """`eplb.core.planning.plan(...)`, computed in the child; returns a Placement."""
         return self._call(dict(load=np.asarray(load), num_gpus=num_gpus, num_slots=num_slots,
                                num_nodes=num_nodes, num_groups=num_groups, policy=policy,
                                previous=previous, move_tolerance=move_tolerance,
@@ -170,8 +170,8 @@ class PlannerProcess:
 
 def _serve(requests: BinaryIO, replies: BinaryIO) -> int:
     """The child's loop: answer requests until stdin closes."""
-    from eplb.planning import plan
-    from eplb.policy import available_policies
+    from eplb.core.planning import plan
+    from eplb.core.policy import available_policies
 
     while True:
         try:

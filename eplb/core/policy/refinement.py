@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from eplb.policy.rows import REL_EPS, argsort_rows, counts_of, gpu_sums, lexmin, presence, slot_loads, take
+from eplb.core.policy.rows import REL_EPS, argsort_rows, counts_of, gpu_sums, lexmin, presence, slot_loads, take
 
 
 _MAX_CANDIDATES = 5_000  # candidate moves per kind and max-GPU iteration, all rows together
@@ -182,7 +182,7 @@ def improve_max(
     p2l: np.ndarray,
     m: int,
     cap: int,
-    budget: int,  # iterations at most (see eplb.policy.budgets)
+    budget: int,  # iterations at most (see eplb.core.policy.budgets)
     target: Optional[np.ndarray] = None,  # [R] stop a row once its max GPU load is at most this
 ) -> tuple[np.ndarray, np.ndarray]:
     """Local search on the most loaded GPU g* of every row: one move per row and

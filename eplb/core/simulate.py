@@ -33,12 +33,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from eplb.placement import Placement
-from eplb.planning import (DEFAULT_MIN_GAIN, check_min_gain, check_topology, plan, positive_int,
+from eplb.core.placement import Placement
+from eplb.core.planning import (DEFAULT_MIN_GAIN, check_min_gain, check_topology, plan, positive_int,
                            worth_moving)
-from eplb.policy import DEFAULT_MOVE_TOLERANCE, get_policy
-from eplb.transfer import transfer_stats
-from eplb.workload import check_trace, load_trace as read_trace  # re-exported for the CLI
+from eplb.core.policy import DEFAULT_MOVE_TOLERANCE, get_policy
+from eplb.core.transfer_plan import transfer_stats
+from eplb.core.workload import check_trace, load_trace as read_trace  # re-exported for the CLI
 
 RESERVED_NAMES = ("none", "oracle")
 

@@ -9,12 +9,12 @@ from typing import Optional
 import numpy as np
 import torch
 
-from eplb.policy import deepseek
-from eplb.policy.budgets import SMALL
-from eplb.policy.moves import plan_rows
-from eplb.policy.packing import pack
-from eplb.policy.refinement import improve_pairs
-from eplb.policy.rows import lexmin, max_load, take
+from eplb.core.policy import deepseek
+from eplb.core.policy.budgets import SMALL
+from eplb.core.policy.moves import plan_rows
+from eplb.core.policy.packing import pack
+from eplb.core.policy.refinement import improve_pairs
+from eplb.core.policy.rows import lexmin, max_load, take
 
 
 def plan_hierarchical(w, P, M, k, G, prev, tol) -> np.ndarray:
@@ -84,7 +84,7 @@ def _place_on_nodes(w, P, M, k, gs, node, prev, tol) -> np.ndarray:
 
 
 def _deepseek_hierarchical(w: np.ndarray, P: int, M: int, k: int, G: int) -> np.ndarray:
-    """DeepSeek EPLB's hierarchical placement of w [L, N] (eplb.policy.deepseek): p2l [L, P]."""
+    """DeepSeek EPLB's hierarchical placement of w [L, N] (eplb.core.policy.deepseek): p2l [L, P]."""
     p2l, _, _ = deepseek.rebalance_experts(torch.tensor(w, dtype=torch.float64), P, G, k, M)
     return p2l.numpy().astype(np.int64)
 

@@ -2,7 +2,7 @@
 
     metrics = EplbMetrics(runtime, interval=10)      # on EVERY rank, before the first step()
     if runtime.rank == 0:
-        EplbServer(runtime, metrics, port=9400).start()   # eplb.server: one scrape target per job
+        EplbServer(runtime, metrics, port=9400).start()   # eplb.ops.server: one scrape target per job
 
 Design: rank 0 aggregates. Every rank attaches an `EplbMetrics`. Its step hook adds this
 rank's per-GPU counts of the step (`recorder.last_gpu_load()`, `[L, M]`) and, with
@@ -62,12 +62,12 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from eplb.placement import balancedness_of_gpu_loads
+from eplb.core.placement import balancedness_of_gpu_loads
 
 if TYPE_CHECKING:
     from eplb.runtime import EplbRuntime, RebalanceEvent
 
-log = logging.getLogger("eplb.metrics")
+log = logging.getLogger("eplb.ops.metrics")
 
 TRIGGERS = ("interval", "request", "api", "initial")
 OUTCOMES = ("success", "failure", "skipped")

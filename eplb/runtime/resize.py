@@ -14,7 +14,7 @@ world form the EP group:
                                     runtime=runtime, load="window")   # on EVERY world rank
     runtime = result.runtime   # the new group's EplbRuntime (None on ranks outside it)
 
-Two halves, as in `eplb.transfer`:
+Two halves, as in `eplb.runtime.transfer`:
 
 * a **pure plan** (`plan_resize`, numpy only) over the union of old and new ranks: for
   every layer, which new slot is filled from an old slot of the same rank (no network),
@@ -57,11 +57,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from eplb.config import EplbConfig
-from eplb.loadio import as_load
-from eplb.placement import Placement
-from eplb.planning import plan
-from eplb.transfer import first_slot_of_expert, slot_checksums
+from eplb.core.config import EplbConfig
+from eplb.core.loadio import as_load
+from eplb.core.placement import Placement
+from eplb.core.planning import plan
+from eplb.runtime.transfer import first_slot_of_expert, slot_checksums
 
 __all__ = [
     "LayerResizePlan",

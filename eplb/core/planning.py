@@ -1,7 +1,7 @@
 """`plan()`: the one Python call from a measured load to a checked Placement.
 
 It validates the load and the topology once, with errors that say what to change, runs
-the named policy (a pure function, see `eplb.policy`) and validates what it returns.
+the named policy (a pure function, see `eplb.core.policy`) and validates what it returns.
 Same inputs, same placement: nothing random, nothing read from the environment.
 """
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from eplb.loadio import MAX_EXPERTS, MAX_SLOTS, as_load
-from eplb.placement import Placement
-from eplb.policy import DEFAULT_MOVE_TOLERANCE, PolicyOptions, get_policy
+from eplb.core.loadio import MAX_EXPERTS, MAX_SLOTS, as_load
+from eplb.core.placement import Placement
+from eplb.core.policy import DEFAULT_MOVE_TOLERANCE, PolicyOptions, get_policy
 
 
 def plan(

@@ -10,7 +10,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-log = logging.getLogger("eplb.config")
+log = logging.getLogger("eplb.core.config")
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class EplbConfig:
     rebalance_interval: int = 3000
     """Rebalance every this many `step()` calls; 0 = only when asked (`rebalance()`)."""
     policy: str = "default"
-    """Planner name, see `eplb.policy.available_policies()`."""
+    """Planner name, see `eplb.core.policy.available_policies()`."""
     num_nodes: int | None = None
     """Nodes the EP ranks span; None = read from torchrun's environment."""
     initial_placement: str | None = None
@@ -64,7 +64,7 @@ class EplbConfig:
     while `step()` keeps serving; each layer's weights and maps switch together at a step
     boundary that all ranks agree on. False: `rebalance()` does everything before returning."""
     planner_process: bool = True
-    """Asynchronous mode: rank 0 plans in a child process (`eplb.planner_process`) rather
+    """Asynchronous mode: rank 0 plans in a child process (`eplb.runtime.planner_process`) rather
     than in the rebalance thread, so planning never holds the serving process's GIL (held,
     it delays the step loop's kernel launches). Policies registered at run time are only
     known in this process: they are planned in the thread. Costs one Python process
@@ -74,7 +74,7 @@ class EplbConfig:
     backend, coalesced per peer in messages of up to 1 GiB; gloo on CPU), "ipc" (CUDA IPC
     straight from the peers' slots, all ranks on one host; synchronous rebalances move each
     layer in place; keeps a hold buffer of one layer of local experts per GPU) or "auto" (IPC where it
-    can work, else "nccl"; see `eplb.transfer.make_transport`). benchmarks/README.md has
+    can work, else "nccl"; see `eplb.runtime.transfer.make_transport`). benchmarks/README.md has
     the bandwidth of each."""
     exchange_launch: str = "auto"
     """Asynchronous mode: where each layer's weight exchange is launched. "step": from
@@ -93,8 +93,8 @@ class EplbConfig:
     def verify(self, num_logical_experts: int, num_gpus: int,
                num_physical_experts: int | None = None) -> "EplbConfig":
         """Check against the model and the EP group; return the config with resolved values."""
-        from eplb.planning import check_min_gain
-        from eplb.policy import available_policies
+        from eplb.core.planning import check_min_gain
+        from eplb.core.policy import available_policies
 
         N, M = num_logical_experts, num_gpus
         if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:

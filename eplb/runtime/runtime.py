@@ -21,15 +21,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from eplb.config import EplbConfig
-from eplb.control import RebalanceRequests, agree, control_group, new_group_like
-from eplb.placement import Placement, balancedness_of_gpu_loads
-from eplb.planner_process import PlannerProcess, PlannerProcessError
-from eplb.planning import plan, predicted_gain, worth_moving
+from eplb.core.config import EplbConfig
+from eplb.runtime.control import RebalanceRequests, agree, control_group, new_group_like
+from eplb.core.placement import Placement, balancedness_of_gpu_loads
+from eplb.runtime.planner_process import PlannerProcess, PlannerProcessError
+from eplb.core.planning import plan, predicted_gain, worth_moving
 from eplb.protocol import MixtureOfExperts, missing_members, replica_cdf, supports_replica_weights
-from eplb.recorder import LoadRecorder
-from eplb.placement_change import EplbFatalError, PlacementChange, RebalanceError
-from eplb.transfer import make_transport, slot_checksums, transfer_stats
+from eplb.runtime.recorder import LoadRecorder
+from eplb.runtime.placement_change import EplbFatalError, PlacementChange, RebalanceError
+from eplb.runtime.transfer import make_transport, slot_checksums, transfer_stats
 
 log = logging.getLogger("eplb.runtime")
 
