@@ -1,9 +1,19 @@
-"""Fuzzed placement transitions through the real TransferExecutor on gloo ranks, and
-post-transfer verification (EplbConfig.verify_transfers).
+"""Fuzzed placement transitions through the production path, `EplbRuntime` ->
+`PlacementChange`, on gloo ranks, and transfer verification (EplbConfig.verify_transfers).
 
-Counting: one *transition* is one `TransferExecutor.execute` call from one placement to the
-next; each call moves all L_FUZZ = 2 layers (each layer drawn independently), and every
-slot of every layer is checked bitwise on every rank after every call.
+Counting: one *transition* is one `runtime.apply_placement(new)` from the placement in
+force to the next: synchronously (`wait=True`) or asynchronously (`wait=False`, then
+`runtime.step()` until it is done; `EplbConfig(async_rebalance=True)`). The reference
+model (`moe.MoEModel`) has L_FUZZ = 2 MoE layers; each layer's change is drawn
+independently from KINDS (some transitions are identical as a whole). After every
+transition, on every rank: every local slot of every layer equals bitwise its expert's
+reference weights (`moe.expert_weights_for`), the routing maps equal the weights
+(`check_routing_maps`: physical_to_logical, logical_to_physical_map,
+logical_replica_count) and the placement asked for, the replica cdf equals the
+placement's shares, and storage never moves (`data_ptr`). Asynchronously the same holds
+after every step, every rank's maps are compared with every other rank's after every
+step, and at most one layer switches per step. Every SAMPLE_EVERY-th transition the
+model's outputs are compared with the dense reference (mid-flight too, asynchronously).
 """
 from __future__ import annotations
 
@@ -14,36 +24,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import device_for, run_distributed
-from eplb.runtime.transfer import TransferExecutor, TransferVerificationError, slot_checksums
+from _dist import assert_same_on_every_rank, device_for, run_distributed
+from _faults import Fault, moving_target, p2p_transport
+from eplb.runtime.transfer import slot_checksums
 
 L_FUZZ = 2
-KINDS = ("random", "same", "permute", "hot", "dup_on_rank", "swap")
-
-
-# ---- tiny weights whose values encode (layer, expert) ----------------------------------
-
-def expected(layer: int, experts: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """a: float32 [S, 3]; b: int64 [S, 2]; both a function of (layer, expert) only."""
-    e = torch.as_tensor(experts, dtype=torch.int64, device=device)[:, None]  # [S, 1]
-    a = (layer * 1000 + e * 10 + torch.arange(3, device=device)).to(torch.float32)  # [S, 3]
-    b = -(layer * 100000 + e * 100 + torch.arange(2, device=device))  # [S, 2]
-    return a, b
-
-
-def make_layer(layer: int, experts: np.ndarray, device):
-    """a [S, 3] contiguous, big [S, 4] int64 whose b = big[:, ::2] is a non-contiguous view."""
-    a, b = expected(layer, experts, device)
-    big = torch.full((len(experts), 4), 7, dtype=torch.int64, device=device)
-    big[:, ::2] = b
-    return a.clone(), big, big[:, ::2]
-
-
-def check(layer: int, experts: np.ndarray, a, big, b) -> None:
-    wa, wb = expected(layer, experts, a.device)
-    assert torch.equal(a, wa), (layer, experts)
-    assert torch.equal(b, wb), (layer, experts)
-    assert (big[:, 1::2] == 7).all()
+SAMPLE_EVERY = 50
+# per layer; "shares" (only the replica shares change) needs weighted replicas
+KINDS = ("random", "same", "permute", "hot", "dup_on_rank", "swap", "move_replica", "shares")
+# a transition that changes nothing at all (placement and shares): every
+# IDENTICAL_EVERY-th and with probability P_IDENTICAL
+IDENTICAL_EVERY, P_IDENTICAL = 25, 0.03
 
 
 # ---- random transitions ----------------------------------------------------------------
@@ -60,7 +51,7 @@ def _repair(row: np.ndarray, N: int, rng) -> np.ndarray:
 def next_row(rng, prev: np.ndarray, N: int, M: int, kind: str) -> np.ndarray:  # [P]
     P = prev.shape[0]
     S = P // M
-    if kind == "same":
+    if kind in ("same", "shares"):
         return prev.copy()
     if kind == "permute":  # every expert stays, slots shuffled over all ranks
         return rng.permutation(prev)
@@ -68,6 +59,14 @@ def next_row(rng, prev: np.ndarray, N: int, M: int, kind: str) -> np.ndarray:  #
         row = prev.copy()
         i, j = rng.choice(P, 2, replace=False)
         row[i], row[j] = row[j], row[i]
+        return row
+    if kind == "move_replica":  # a replica of an expert with several moves to another rank
+        row = prev.copy()
+        counts = np.bincount(row, minlength=N)
+        src = int(rng.choice(np.flatnonzero(counts[row] > 1)))
+        others = np.flatnonzero(np.arange(P) // S != src // S)
+        dst = int(rng.choice(others))
+        row[src], row[dst] = row[dst], row[src]
         return row
     row = rng.permutation(np.concatenate([np.arange(N), rng.integers(0, N, P - N)]))
     if kind == "hot":  # one expert on (at least) one slot of every rank
@@ -80,58 +79,222 @@ def next_row(rng, prev: np.ndarray, N: int, M: int, kind: str) -> np.ndarray:  #
     return _repair(row, N, rng) if kind in ("hot", "dup_on_rank") else row
 
 
-def fuzz_sequence(seed: int, n: int, L: int, N: int, P: int, M: int):
-    """n + 1 placements [L, P] (the first is the initial one); yields (p2l, kinds)."""
+def random_shares(rng, p2l: np.ndarray, N: int) -> np.ndarray:  # [L, P]
+    """Each expert's replicas get random positive shares summing to 1."""
+    shares = np.zeros(p2l.shape)
+    for layer, row in enumerate(p2l):
+        for e in range(N):
+            slots = np.flatnonzero(row == e)
+            shares[layer, slots] = rng.dirichlet(np.ones(len(slots)))
+    return shares
+
+
+def fuzz_sequence(seed: int, n: int, L: int, N: int, P: int, M: int, weighted: bool):
+    """n + 1 (p2l [L, P], shares [L, P] or None, kinds); the first is the initial placement."""
     rng = np.random.default_rng(seed)
-    cur = np.tile(np.arange(P) % N, (L, 1))
-    yield cur, ("init",) * L
-    for _ in range(n):
-        kinds = tuple(KINDS[int(rng.integers(len(KINDS)))] for _ in range(L))
-        cur = np.stack([next_row(rng, cur[layer], N, M, k) for layer, k in enumerate(kinds)])
-        for row in cur:
+    cur, shares = np.tile(np.arange(P) % N, (L, 1)), None
+    yield cur, None, ("init",) * L
+    kinds_of = KINDS if weighted else tuple(k for k in KINDS if k != "shares")
+    for i in range(n):
+        if i % IDENTICAL_EVERY == IDENTICAL_EVERY // 2 or rng.random() < P_IDENTICAL:
+            yield cur, shares, ("identical",) * L
+            continue
+        kinds = tuple(kinds_of[int(rng.integers(len(kinds_of)))] for _ in range(L))
+        new = np.stack([next_row(rng, cur[layer], N, M, k) for layer, k in enumerate(kinds)])
+        for row in new:
             assert set(row.tolist()) == set(range(N))
-        yield cur, kinds
+        new_shares = None
+        if weighted and ("shares" in kinds or rng.random() < 0.5):
+            new_shares = random_shares(rng, new, N)
+            if shares is not None:  # layers of another kind keep their shares where they can
+                for layer, k in enumerate(kinds):
+                    if k == "same":
+                        new_shares[layer] = shares[layer]
+        cur, shares = new, new_shares
+        yield cur, shares, kinds
 
 
 # ---- the fuzz body ---------------------------------------------------------------------
 
-def _fuzz_body(rank: int, world: int, seed: int, n: int, N: int, S: int) -> None:
+class Reference:
+    """Every (layer, expert)'s reference weights, built once."""
+
+    def __init__(self, args, device) -> None:
+        from moe import expert_weights_for
+
+        self.w = [[expert_weights_for(args, layer, e, device) for e in range(args.num_experts)]
+                  for layer in range(args.num_layers)]
+
+    def check_slots(self, runtime) -> None:
+        """Every local slot holds bitwise the expert the committed map names."""
+        S = runtime.model.num_local_physical_experts
+        p2l = runtime.physical_to_logical.cpu().numpy()  # [L, P]
+        for layer, weights in enumerate(runtime.expert_weights):
+            for s in range(S):
+                e = int(p2l[layer, runtime.rank * S + s])
+                for w, v in zip(weights, self.w[layer][e]):
+                    assert torch.equal(w[s], v), f"layer {layer} slot {s} does not hold expert {e}"
+
+
+def check_state(ref: Reference, runtime) -> None:
+    from test_runtime import check_routing_maps
+
+    check_routing_maps(runtime)
+    ref.check_slots(runtime)
+
+
+def check_target(runtime, p2l: np.ndarray, shares) -> None:
+    """The runtime ended on the placement asked for: maps, shares and replica cdf."""
+    from moe.model import replica_cdf_for
+
+    placement = runtime.placement
+    assert np.array_equal(placement.physical_to_logical, p2l)
+    assert np.array_equal(runtime.physical_to_logical.cpu().numpy(), p2l)
+    if shares is None:
+        assert placement.shares is None
+    else:
+        assert np.array_equal(placement.shares, shares)
+    want = replica_cdf_for(placement, "cpu", runtime.logical_replica_cdf.shape[-1])
+    assert torch.equal(runtime.logical_replica_cdf.cpu(), want)
+
+
+def check_outputs(args, model, dense, seed: int, device) -> None:
+    from moe import sample_tokens
+
+    x = sample_tokens(args, 16, seed=seed, device=device)
+    torch.testing.assert_close(model(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+def same_maps_on_every_rank(runtime) -> None:
+    """Every rank holds the same physical_to_logical, logical_to_physical_map,
+    logical_replica_count and logical_replica_cdf (bitwise; one all_gather)."""
+    cdf = runtime.logical_replica_cdf.contiguous().view(torch.int32).to(torch.int64)
+    assert_same_on_every_rank(torch.cat([
+        runtime.physical_to_logical.reshape(-1), runtime.logical_to_physical_map.reshape(-1),
+        runtime.logical_replica_count.reshape(-1), cdf.reshape(-1)]).cpu())
+
+
+def _fuzz_runs(rank: int, world: int, runs: list, N: int, S: int, times: list | None = None) -> None:
+    """`runs`: (seed, n, asynchronous, transport, verify, weighted); each builds a fresh
+    model and runtime and applies n random transitions."""
+    from moe import DenseMoEModel, MoEArgs, MoEModel
+
+    from eplb.core.config import EplbConfig
+    from eplb.runtime import EplbRuntime
+
     device = device_for(rank)
     P = world * S
-    local = slice(rank * S, (rank + 1) * S)
-    seq = fuzz_sequence(seed, n, L_FUZZ, N, P, world)
-    cur, _ = next(seq)
-    layers = [make_layer(layer, cur[layer, local], device) for layer in range(L_FUZZ)]
-    ptrs = [(a.data_ptr(), big.data_ptr()) for a, big, _ in layers]
-    weights = [[a, b] for a, _big, b in layers]
-    plain, verifying = TransferExecutor(), TransferExecutor(verify=True)
-    done = 0
-    kinds_seen = set()
-    for i, (new, kinds) in enumerate(seq):
-        executor = verifying if i % 2 else plain  # verification must never fire falsely
-        executor.execute(cur, new, weights)
-        for layer, (a, big, b) in enumerate(layers):
-            check(layer, new[layer, local], a, big, b)
-        cur = new
-        done += 1
-        kinds_seen.update(kinds)
-    assert done == n
-    assert kinds_seen == set(KINDS)
-    assert [(a.data_ptr(), big.data_ptr()) for a, big, _ in layers] == ptrs
+    for seed, n, asynchronous, transport, verify, weighted in runs:
+        t0 = time.perf_counter()
+        args = MoEArgs(hidden_size=8, intermediate_size=4, num_layers=L_FUZZ, num_experts=N,
+                       top_k=2, num_redundant_experts=P - N, seed=seed % 7)
+        model = MoEModel(args, group=dist.group.WORLD, device=device)
+        dense = DenseMoEModel(args, device=device)
+        ref = Reference(args, device)
+        # the fuzz goes through an injected transport with no fault: every exchange of
+        # the runtime must reach the object it was given
+        injected = p2p_transport(rank=rank) if transport == "injected" else None
+        runtime = EplbRuntime(model, EplbConfig(
+            num_redundant_experts=P - N, rebalance_interval=0, control_interval=0,
+            async_rebalance=asynchronous, transport="nccl" if injected else transport,
+            verify_transfers=verify, weighted_replicas=weighted, transfer_timeout=60),
+            transport=injected)
+        assert runtime.transport.name == "nccl"  # gloo point-to-point ("auto" falls back)
+        assert runtime.replica_weights_supported
+        failures = []
+        runtime.add_failure_listener(lambda trigger, e: failures.append(e))
+        ptrs = [w.data_ptr() for ws in runtime.expert_weights for w in ws]
+        seq = fuzz_sequence(seed, n, L_FUZZ, N, P, world, weighted)
+        next(seq)
+        check_state(ref, runtime)
+        done, kinds_seen, steps, moved = 0, set(), 0, 0
+        for i, (p2l, shares, kinds) in enumerate(seq):
+            new = runtime.placement.with_physical_to_logical(p2l, "fuzz", shares)
+            sample = i % SAMPLE_EVERY == SAMPLE_EVERY - 1
+            before = runtime.physical_to_logical.clone()
+            if not asynchronous:
+                event = runtime.apply_placement(new, wait=True)
+                assert event is not None
+            else:
+                assert runtime.apply_placement(new, wait=False) is None
+                event = None
+                for _ in range(100):  # 2 layers: a handful of steps
+                    prev = runtime.physical_to_logical.clone()
+                    event = runtime.step()
+                    steps += 1
+                    # every rank routes by the same maps after every step, and the weights
+                    # match them mid-flight
+                    same_maps_on_every_rank(runtime)
+                    check_state(ref, runtime)
+                    assert (runtime.physical_to_logical != prev).any(1).sum() <= 1
+                    if sample:
+                        check_outputs(args, model, dense, 1000 * i + steps, device)
+                    if not runtime.rebalance_in_flight:
+                        break
+                assert not runtime.rebalance_in_flight, "the change did not finish in 100 steps"
+                assert event is not None
+            assert not failures, failures
+            check_state(ref, runtime)
+            check_target(runtime, p2l, shares)
+            moved += int((runtime.physical_to_logical != before).any(1).sum())
+            if sample:
+                same_maps_on_every_rank(runtime)
+                check_outputs(args, model, dense, 7 + i, device)
+            done += 1
+            kinds_seen.update(kinds)
+        assert done == n
+        want = set(KINDS if weighted else [k for k in KINDS if k != "shares"]) | {"identical"}
+        assert kinds_seen == want, want - kinds_seen
+        assert moved > 0
+        assert [w.data_ptr() for ws in runtime.expert_weights for w in ws] == ptrs
+        if injected is not None:
+            assert injected.calls["exchange"] > 0, "the runtime did not use the injected transport"
+        same_maps_on_every_rank(runtime)
+        check_outputs(args, model, dense, 99, device)
+        runtime.close()
+        if times is not None:
+            times.append((seed, n, asynchronous, transport, verify, weighted,
+                          time.perf_counter() - t0))
+    if rank == 0 and times is not None:
+        for seed, n, a, t, v, w, sec in times:
+            print(f"\n  {world} ranks, {'async' if a else 'sync '} {t:8s} verify={v!s:5} "
+                  f"weighted={w!s:5}: {n} transitions in {sec:.1f} s", end="")
+
+
+# (seed, transitions, asynchronous, transport, verify_transfers, weighted_replicas)
+DEFAULT_RUNS = [
+    (101, 60, False, "nccl", False, False),
+    (102, 50, False, "auto", True, True),
+    (103, 50, True, "injected", True, False),
+    (104, 50, True, "auto", False, True),
+]
 
 
 def test_fuzz_transitions_4_ranks():
-    """Default suite: 200 transitions (x 2 layers) on 4 ranks."""
-    run_distributed(_fuzz_body, 4, 101, 200, 6, 3)
+    """Default suite: 210 transitions on 4 ranks, sync and async, nccl (gloo p2p), auto and
+    an injected transport, with and without verification, weighted replicas in half."""
+    assert sum(r[1] for r in DEFAULT_RUNS) >= 200
+    run_distributed(_fuzz_runs, 4, DEFAULT_RUNS, 6, 3, [], timeout=300)
+
+
+def _slow_runs(world: int, total: int) -> list:
+    q = total // 4
+    return [(1000 + world, q, False, "nccl", False, False),
+            (1001 + world, q, False, "auto", True, True),
+            (1002 + world, q, True, "injected", True, True),
+            (1003 + world, total - 3 * q, True, "nccl", False, False)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,N,S", [(4, 6, 3), (8, 10, 2)])
-def test_fuzz_transitions_slow(world, N, S):
-    """Slow suite: 2,500 transitions (x 2 layers) on 4 ranks and 2,500 on 8 ranks."""
+@pytest.mark.parametrize("world,N,S,total", [(4, 6, 3, 5000), (8, 10, 2, 2500)])
+def test_fuzz_transitions_slow(world, N, S, total):
+    """Slow suite: 5,000 transitions on 4 ranks and 2,500 on 8 ranks, half of them
+    asynchronous."""
+    runs = _slow_runs(world, total)
+    assert sum(r[1] for r in runs) == total
     t0 = time.perf_counter()
-    run_distributed(_fuzz_body, world, 1000 + world, 2500, N, S, timeout=1200)
-    print(f"\n{world} ranks: 2500 transitions x {L_FUZZ} layers in {time.perf_counter() - t0:.1f} s")
+    run_distributed(_fuzz_runs, world, runs, N, S, [], timeout=3000)
+    print(f"\n{world} ranks: {total} transitions in {time.perf_counter() - t0:.1f} s")
 
 
 # ---- verification ----------------------------------------------------------------------
@@ -154,98 +317,90 @@ def test_slot_checksums_see_one_flipped_bit_and_ignore_layout():
     assert slot_checksums([c])[1] != base[1]
 
 
-def _corrupt_body(rank: int, world: int, bad_layer: int, bad_rank: int) -> None:
-    """Layer `bad_layer`'s copy into a slot flips a value on `bad_rank` only: every rank
-    raises TransferVerificationError, before that layer's on_layer_done; earlier layers
-    are done and correct."""
-    import eplb.runtime.transfer
-
-    device = device_for(rank)
-    N, S, L = 6, 3, 4
-    P = world * S
-    local = slice(rank * S, (rank + 1) * S)
-    rng = np.random.default_rng(5)  # same on every rank
-    old = np.tile(np.arange(P) % N, (L, 1))
-    new = np.stack([rng.permutation(old[0]) for _ in range(L)])
-    layers = [make_layer(layer, old[layer, local], device) for layer in range(L)]
-    weights = [[a, b] for a, _big, b in layers]
-    real = eplb.runtime.transfer.execute_layer_transfer
-
-    def corrupting(plan, ws, group=None, staging=None):
-        got = real(plan, ws, group, staging)
-        if ws[0] is weights[bad_layer][0] and rank == bad_rank and plan.num_slots_written:
-            ws[0][int(plan.write_dst[0]), 1] += 1.0  # a wrong value lands in a written slot
-        return got
-
-    done = []
-    eplb.runtime.transfer.execute_layer_transfer = corrupting
-    try:
-        with pytest.raises(TransferVerificationError, match=f"layer {bad_layer}") as info:
-            TransferExecutor(verify=True).execute(old, new, weights, on_layer_done=done.append)
-    finally:
-        eplb.runtime.transfer.execute_layer_transfer = real
-    assert done == list(range(bad_layer))
-    assert info.value.layer == bad_layer and len(info.value.bad_slots) == 1
-    assert info.value.bad_slots[0] // S == bad_rank
-    for layer in range(bad_layer):
-        check(layer, new[layer, local], *layers[layer])
-    for layer in range(bad_layer + 1, L):  # never started
-        check(layer, old[layer, local], *layers[layer])
-    dist.barrier()  # nobody is stuck in a collective
-
-
-@pytest.mark.parametrize("world", [4])
-def test_corruption_is_detected_on_every_rank(world):
-    run_distributed(_corrupt_body, world, 2, world - 1, timeout=120)
-
-
-def _runtime_corrupt_body(rank: int, world: int) -> None:
-    """Through EplbRuntime with verify_transfers: an expert corrupted on its way into
-    staging (third changed layer, rank 0 only) makes the rebalance fail on every rank
-    before that layer is written; layers before it are new, it and later layers old, maps
-    matching weights in every layer, and the model keeps serving."""
-    import eplb.runtime.transfer
-    from moe import DenseMoEModel, MoEModel, sample_tokens
+def _corrupt_body(rank: int, world: int, asynchronous: bool, action: str, bad_layer: int,
+                  bad_rank: int, verify: bool) -> None:
+    """Through EplbRuntime: rank `bad_rank`'s injected transport flips a bit at a random
+    offset of every weight tensor ("corrupt") or of w2 only ("corrupt_w2") of one staged
+    expert of changed layer `bad_layer`. With verify_transfers the change fails on every
+    rank before that layer is written (RebalanceError; asynchronously through the failure
+    listener): earlier layers new, it and later ones old, maps matching weights, outputs
+    equal to the dense reference, and the next change goes through. Without verification
+    (the control) the bad bits land in a slot and the slot check sees them."""
+    from moe import DenseMoEModel, MoEArgs, MoEModel
 
     from eplb.core.config import EplbConfig
     from eplb.runtime import EplbRuntime, RebalanceError
-    from test_runtime import _args, _check_slots
 
     device = device_for(rank)
-    args = _args(num_layers=4, num_redundant_experts=world)
+    L, N = 4, 8
+    args = MoEArgs(hidden_size=16, intermediate_size=8, num_layers=L, num_experts=N, top_k=2,
+                   num_redundant_experts=world, seed=5)
     model = MoEModel(args, group=dist.group.WORLD, device=device)
+    fault = Fault("exchange", bad_layer + 1, action, ranks=[bad_rank], seed=bad_layer)
+    transport = p2p_transport([fault], rank)
     runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=world, rebalance_interval=0,
-                                            verify_transfers=True))
+                                            control_interval=0, async_rebalance=asynchronous,
+                                            verify_transfers=verify, transfer_timeout=30),
+                          transport=transport)
+    ref, dense = Reference(args, device), DenseMoEModel(args, device=device)
+    failures = []
+    runtime.add_failure_listener(lambda trigger, e: failures.append(e))
     old = runtime.placement
-    rng = np.random.default_rng(11)
-    target = np.stack([rng.permutation(np.arange(old.num_slots) % args.num_experts) for _ in range(4)])
-    real = eplb.runtime.transfer.exchange_layer
-    calls = []
-
-    def corrupting(plan, ws, group, staging, **kw):
-        got = real(plan, ws, group, staging, **kw)
-        calls.append(1)
-        if len(calls) == 3 and rank == 0:
-            assert plan.num_staged > 0
-            staging[0][0].view(-1)[0] += 1
-        return got
-
-    eplb.runtime.transfer.exchange_layer = corrupting
-    try:
-        with pytest.raises(RebalanceError, match="after 2 of 4 changed layers.*(TransferVerificationError|rank 0 failed)"):
-            runtime.apply_placement(old.with_physical_to_logical(target, "test"))
-    finally:
-        eplb.runtime.transfer.exchange_layer = real
+    target = moving_target(old.physical_to_logical, world, N, seed=11)  # same on every rank
+    new = old.with_physical_to_logical(target, "test")
+    if not verify:  # the control: the corruption is real and the slot check sees it
+        runtime.apply_placement(new, wait=not asynchronous)
+        runtime.finish_rebalance()
+        assert bool(fault.fired) == (rank == bad_rank)
+        if rank == bad_rank:
+            with pytest.raises(AssertionError, match="does not hold expert"):
+                ref.check_slots(runtime)
+        dist.barrier()
+        return
+    expect = f"after {bad_layer} of {L} changed layers"
+    if asynchronous:
+        assert runtime.apply_placement(new, wait=False) is None
+        for _ in range(500):
+            runtime.step()
+            same_maps_on_every_rank(runtime)
+            check_state(ref, runtime)
+            if not runtime.rebalance_in_flight:
+                break
+        assert len(failures) == 1 and isinstance(failures[0], RebalanceError), failures
+        assert expect in str(failures[0]), failures[0]
+    else:
+        with pytest.raises(RebalanceError, match=expect + ".*(TransferVerificationError|rank . failed)"):
+            runtime.apply_placement(new)
+    assert not runtime.rebalance_in_flight
+    if rank == bad_rank:
+        (row, flips), = fault.fired
+        assert [t for t, _, _ in flips] == ([1] if action == "corrupt_w2" else [0, 1])
+    else:
+        assert not fault.fired
     p2l = runtime.placement.physical_to_logical
-    assert np.array_equal(p2l[:2], target[:2]) and np.array_equal(p2l[2:], old.physical_to_logical[2:])
-    _check_slots(args, runtime, device)  # every layer, the failed one too, matches its maps
-    x = sample_tokens(args, 32, seed=rank, device=device)
-    torch.testing.assert_close(model(x), DenseMoEModel(args, device=device)(x), rtol=1e-5, atol=1e-5)
-    dist.barrier()
+    assert np.array_equal(p2l[:bad_layer], target[:bad_layer])
+    assert np.array_equal(p2l[bad_layer:], old.physical_to_logical[bad_layer:])
+    assert np.array_equal(runtime.physical_to_logical.cpu().numpy(), p2l)
+    check_state(ref, runtime)  # every layer, the failed one too, matches its maps
+    same_maps_on_every_rank(runtime)
+    check_outputs(args, model, dense, rank, device)
+    runtime.apply_placement(new)  # the fault fired once: the next change goes through
+    check_state(ref, runtime)
+    check_target(runtime, target, None)
+    check_outputs(args, model, dense, rank + 10, device)
+    runtime.close()
 
 
-def test_runtime_verification_failure_keeps_earlier_layers():
-    run_distributed(_runtime_corrupt_body, 2, timeout=120)
+@pytest.mark.parametrize("asynchronous,action,bad_layer,bad_rank", [
+    (False, "corrupt", 2, 0), (False, "corrupt_w2", 1, 3), (True, "corrupt", 0, 2),
+    (True, "corrupt_w2", 3, 1)])
+def test_corruption_is_caught_before_the_layer_is_written(asynchronous, action, bad_layer, bad_rank):
+    run_distributed(_corrupt_body, 4, asynchronous, action, bad_layer, bad_rank, True, timeout=120)
+
+
+def test_corruption_without_verification_reaches_the_weights():
+    """The control of the test above: the injected corruption is real."""
+    run_distributed(_corrupt_body, 2, False, "corrupt", 1, 1, False, timeout=120)
 
 
 def test_verify_transfers_config_field():
@@ -259,32 +414,42 @@ def test_verify_transfers_config_field():
 
 # ---- cost of verification (not a test): python tests/test_transfer_fuzz.py -------------
 
-def _cost_body(rank: int, world: int, L: int, N: int, S: int, shape: tuple, reps: int) -> None:
+def _cost_body(rank: int, world: int, L: int, N: int, S: int, hidden: int, reps: int) -> None:
+    """Median time of `apply_placement` (synchronous, full permutation of every layer)
+    with and without verify_transfers, on the reference model."""
+    from moe import MoEArgs, MoEModel
+
+    from eplb.core.config import EplbConfig
+    from eplb.runtime import EplbRuntime
+
     P = world * S
-    local = slice(rank * S, (rank + 1) * S)
-    seq = [np.tile(np.arange(P) % N, (L, 1))]
-    # 2 tensors per layer; replicas of one expert hold the same values (a function of expert)
-    base = torch.randn(N, *shape, generator=torch.Generator().manual_seed(0))  # [N, *shape]
-    experts = torch.from_numpy(seq[0][0, local])
-    weights = [[base[experts] + layer + t for t in range(2)] for layer in range(L)]
+    args = MoEArgs(hidden_size=hidden, intermediate_size=hidden // 2, num_layers=L,
+                   num_experts=N, top_k=2, num_redundant_experts=P - N, seed=0)
     rng = np.random.default_rng(0)
-    seq += [np.stack([rng.permutation(seq[0][0]) for _ in range(L)]) for _ in range(2 * reps)]
-    times = {False: [], True: []}
-    for i, (old, new) in enumerate(zip(seq[:-1], seq[1:])):
-        verify = bool(i % 2)
-        dist.barrier()
-        t0 = time.perf_counter()
-        TransferExecutor(verify=verify).execute(old, new, weights)
-        dist.barrier()
-        times[verify].append(time.perf_counter() - t0)
+    times = {}
+    for verify in (False, True):
+        model = MoEModel(args, group=dist.group.WORLD)
+        runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=P - N, rebalance_interval=0,
+                                                control_interval=0, verify_transfers=verify))
+        times[verify] = []
+        for _ in range(reps):
+            p2l = runtime.placement.physical_to_logical
+            new = runtime.placement.with_physical_to_logical(
+                np.stack([rng.permutation(row) for row in p2l]), "cost")
+            dist.barrier()
+            t0 = time.perf_counter()
+            runtime.apply_placement(new)
+            dist.barrier()
+            times[verify].append(time.perf_counter() - t0)
+        runtime.close()
     if rank == 0:
-        mb = L * S * 2 * int(np.prod(shape)) * 4 / 1e6
+        mb = L * S * 3 * hidden * (hidden // 2) * 4 / 1e6
         plain, ver = np.median(times[False]), np.median(times[True])
-        print(f"{world} gloo ranks, {L} layers, {S} slots/rank, {N} experts, 2 x {shape} float32 "
-              f"per expert ({mb:.1f} MB of local expert weights per rank): median of {reps} "
-              f"full-permutation transfers: {plain * 1e3:.1f} ms plain, {ver * 1e3:.1f} ms verified "
-              f"(+{(ver / plain - 1) * 100:.0f}%)")
+        print(f"{world} gloo ranks, {L} layers, {S} slots/rank, {N} experts, hidden {hidden} "
+              f"({mb:.1f} MB of local expert weights per rank): median of {reps} "
+              f"full-permutation apply_placement: {plain * 1e3:.1f} ms plain, {ver * 1e3:.1f} ms "
+              f"verified (+{(ver / plain - 1) * 100:.0f}%)")
 
 
 if __name__ == "__main__":
-    run_distributed(_cost_body, 4, 8, 16, 5, (256, 256), 10, timeout=600)
+    run_distributed(_cost_body, 4, 8, 16, 5, 256, 10, timeout=600)
