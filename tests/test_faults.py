@@ -1,4 +1,9 @@
-"""A rank that dies or stops answering during a rebalance, on real gloo processes.
+"""A rank that dies, stops answering or fails during a rebalance, on real gloo processes.
+
+Every fault is injected through the transport object the runtime is given
+(`EplbRuntime(..., transport=FaultyTransport(...))`, tests/_faults.py): its `exchange`
+(the layer's transfer into staging) or its `write` (the switch writing the layer from
+staging), at a chosen call on chosen ranks; no module is patched.
 
 Rank 3 of 4 is killed (`os._exit`) or frozen (sleeps) at one of three points: before its
 first transfer, in the middle of the second changed layer's transfer, or after all ranks
@@ -8,7 +13,12 @@ its old or its new placement with maps matching weights, agree with each other o
 layers switched, and report the failure (EplbFatalError, log line, failure listener).
 A rank whose background transfer thread freezes while its step loop still answers is a
 different case: the rebalance aborts on every rank (no one is fatal) and serving
-continues, checked against the dense reference.
+continues, checked against the dense reference. An exchange that raises on every rank at
+the same layer aborts it everywhere (RebalanceError, serving continues); a write that
+raises is fatal on that rank (EplbFatalError), and its peers learn it. A stall no group
+timeout can see (every rank's exchange blocks on a local Event for 3 x transfer_timeout
+before touching any group) is caught by the no-progress watchdog ("no layer switched for
+transfer_timeout"): RebalanceError on every rank, serving continues.
 
 Every rank runs in its own process; survivors write a JSON result and leave with
 `os._exit(0)` (tearing down a group with a dead peer could block); the parent kills what
@@ -28,9 +38,9 @@ import torch.multiprocessing as mp
 from _dist import free_port
 
 WORLD, VICTIM, TIMEOUT = 4, 3, 1.5
-# points: which call of which function the fault replaces (1-based)
-POINTS = {"before_transfer": ("exchange_layer", 1), "mid_layer": ("exchange_layer", 2),
-          "before_commit": ("write_layer", 2)}
+# points: which call of which method of the injected transport the fault fires at (1-based)
+POINTS = {"before_transfer": ("exchange", 1), "mid_layer": ("exchange", 2),
+          "before_commit": ("write", 2)}
 
 
 def _args():
@@ -40,24 +50,29 @@ def _args():
                    num_redundant_experts=WORLD, seed=3)
 
 
-def _install_fault(fault: str, point: str) -> None:
-    import eplb.runtime.transfer
+def _fault(fault: str, point: str):
+    """The Fault object of one case (see tests/_faults.py)."""
+    from _faults import Fault
 
-    name, nth = POINTS[point]
-    real = getattr(eplb.runtime.transfer, name)
-    calls = []
+    method, nth = POINTS[point]
+    if fault == "kill":  # mid-layer: peers are waiting in this layer's transfer first
+        return Fault(method, nth, "sleep_then_kill" if point == "mid_layer" else "kill",
+                     ranks=[VICTIM], seconds=0.3)
+    if fault == "freeze":  # the parent kills this process
+        return Fault(method, nth, "freeze", ranks=[VICTIM], seconds=600)
+    if fault == "raise":  # an exchange error on every rank; a write error on the victim
+        return Fault(method, nth, "raise", ranks=None if method == "exchange" else [VICTIM])
+    if fault == "stall":  # every rank, before touching any group; then returns normally
+        return Fault(method, nth, "stall", ranks=None, seconds=3 * TIMEOUT)
+    raise ValueError(fault)
 
-    def faulty(plan, *a, **kw):
-        calls.append(1)
-        if len(calls) == nth:
-            if point == "mid_layer":
-                time.sleep(0.3)  # peers are now waiting in this layer's transfer
-            if fault == "kill":
-                os._exit(17)
-            time.sleep(600)  # frozen; the parent kills this process
-        return real(plan, *a, **kw)
 
-    setattr(eplb.runtime.transfer, name, faulty)
+def _writes_result(rank: int, mode: str, fault: str, point: str) -> bool:
+    """Whether rank `rank` lives to write its result."""
+    if rank != VICTIM or fault in ("raise", "stall"):
+        return True
+    # a frozen transfer thread whose step loop still answers: the victim aborts too
+    return fault == "freeze" and mode == "async" and point != "before_commit"
 
 
 def _rank_main(rank: int, port: int, outdir: str, mode: str, fault: str, point: str) -> None:
@@ -71,23 +86,27 @@ def _rank_main(rank: int, port: int, outdir: str, mode: str, fault: str, point: 
     from eplb.runtime import EplbFatalError, EplbRuntime, RebalanceError
     from test_runtime import check_committed
 
+    from _faults import moving_target, p2p_transport
+
     args = _args()
     model = MoEModel(args, group=dist.group.WORLD)
+    injected = _fault(fault, point)
+    transport = p2p_transport([injected], rank)
     runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=WORLD, rebalance_interval=0,
                                             async_rebalance=mode == "async",
-                                            transfer_timeout=TIMEOUT))
+                                            transfer_timeout=TIMEOUT), transport=transport)
     failures = []
-    runtime.add_failure_listener(lambda trigger, e: failures.append(type(e).__name__))
+    messages = []
+    runtime.add_failure_listener(lambda trigger, e: (failures.append(type(e).__name__),
+                                                     messages.append(str(e))))
     old = runtime.placement
-    rng = np.random.default_rng(7)  # the same target on every rank; every layer changes
-    target = np.stack([np.roll(rng.permutation(np.arange(old.num_slots) % args.num_experts), 1)
-                       for _ in range(args.num_layers)])
+    # the same target on every rank; every layer changes every rank's slots, so every
+    # rank calls its transport once per layer and call counts name the same layer
+    target = moving_target(old.physical_to_logical, WORLD, args.num_experts, seed=7)
     new = old.with_physical_to_logical(target, "test")
-    if rank == VICTIM:
-        _install_fault(fault, point)
     dist.barrier()
     t0 = time.monotonic()
-    outcome = "none"
+    outcome, message = "none", ""
     try:
         if mode == "sync":
             runtime.apply_placement(new)
@@ -98,18 +117,24 @@ def _rank_main(rank: int, port: int, outdir: str, mode: str, fault: str, point: 
                 runtime.step()
                 time.sleep(0.005)
             outcome = "aborted" if failures else "finished"
+            message = messages[0] if messages else ""
     except EplbFatalError as e:
         outcome, message = "fatal", str(e)
-    except RebalanceError:
-        outcome = "aborted"
+    except RebalanceError as e:
+        outcome, message = "aborted", str(e)
     seconds = time.monotonic() - t0
-    check_committed(args, runtime, torch.device("cpu"))  # raises if a layer is inconsistent
+    maps_agree = True
+    try:  # the maps the model routes by match the weights (raises if not)
+        check_committed(args, runtime, torch.device("cpu"))
+    except AssertionError:
+        maps_agree = False
     result = dict(rank=rank, outcome=outcome, seconds=seconds, failures=failures,
+                  maps_agree=maps_agree, fired=len(injected.fired), stalls=transport.stalls,
                   p2l=runtime.physical_to_logical.tolist(),
                   switched=int((runtime.physical_to_logical.numpy() != old.physical_to_logical)
                                .any(1).sum()))
+    result["message"] = message
     if outcome == "fatal":
-        result["message"] = message
         try:  # the runtime refuses to go on
             runtime.step()
             result["step_after_fatal"] = "returned"
@@ -117,8 +142,14 @@ def _rank_main(rank: int, port: int, outdir: str, mode: str, fault: str, point: 
             result["step_after_fatal"] = "raised"
     elif outcome == "aborted":  # the group is usable: serving continues, exactly
         x = sample_tokens(args, 32, seed=rank)
-        result["serving_ok"] = bool(torch.allclose(model(x), DenseMoEModel(args)(x),
-                                                   rtol=1e-5, atol=1e-5))
+        dense = DenseMoEModel(args)
+        result["serving_ok"] = bool(torch.allclose(model(x), dense(x), rtol=1e-5, atol=1e-5))
+        if fault in ("raise", "stall"):  # every rank is here: the next change goes through
+            runtime.apply_placement(new)
+            check_committed(args, runtime, torch.device("cpu"))
+            result["next_ok"] = bool(
+                np.array_equal(runtime.physical_to_logical.numpy(), target)
+                and torch.allclose(model(x), dense(x), rtol=1e-5, atol=1e-5))
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     os._exit(0)
@@ -131,14 +162,13 @@ def _run(tmp_path, mode: str, fault: str, point: str) -> dict[int, dict]:
              for r in range(WORLD)]
     for p in procs:
         p.start()
-    expect = [r for r in range(WORLD) if r != VICTIM or (fault == "freeze" and mode == "async"
-                                                          and point != "before_commit")]
+    expect = [r for r in range(WORLD) if _writes_result(r, mode, fault, point)]
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline:
             if all((tmp_path / f"rank{r}.json").exists() for r in expect):
                 break
-            if any(p.exitcode not in (None, 0) for r, p in enumerate(procs) if r != VICTIM):
+            if any(p.exitcode not in (None, 0) for r, p in enumerate(procs) if r in expect):
                 break
             time.sleep(0.2)
     finally:
@@ -177,6 +207,7 @@ def test_dead_or_frozen_rank_is_detected_and_layers_stay_consistent(tmp_path, mo
     survivors = [results[r] for r in range(WORLD) if r != VICTIM]
     for res in survivors:
         assert res["outcome"] == "fatal", res
+        assert res["maps_agree"], res
         assert res["step_after_fatal"] == "raised"
         assert res["failures"] == ["EplbFatalError"]
         assert "every layer is on its old or its new placement" in res["message"]
@@ -198,6 +229,62 @@ def test_frozen_transfer_thread_aborts_everywhere_and_serving_continues(tmp_path
     assert sorted(results) == list(range(WORLD))
     for res in results.values():
         assert res["outcome"] == "aborted" and res["failures"] == ["RebalanceError"], res
+        assert res["maps_agree"], res
         assert res["switched"] == 1 and res["serving_ok"]
         assert res["seconds"] < 3 * TIMEOUT + 5
     assert all(res["p2l"] == results[0]["p2l"] for res in results.values())
+
+
+@pytest.mark.parametrize("mode,point,switched", [
+    ("sync", "before_transfer", 0), ("async", "mid_layer", 1),
+    pytest.param("sync", "mid_layer", 1, marks=pytest.mark.slow),
+    pytest.param("async", "before_transfer", 0, marks=pytest.mark.slow)])
+def test_exchange_error_on_every_rank_aborts_at_the_same_layer(tmp_path, mode, point, switched):
+    """Every rank's injected exchange raises at the same changed layer: RebalanceError on
+    every rank, earlier layers new and later old with maps matching weights, serving
+    exact, and the next change goes through."""
+    results = _run(tmp_path, mode, "raise", point)
+    assert sorted(results) == list(range(WORLD))
+    for res in results.values():
+        assert res["outcome"] == "aborted" and res["failures"] == ["RebalanceError"], res
+        assert res["fired"] == 1 and res["switched"] == switched, res
+        assert f"after {switched} of 4 changed layers" in res["message"], res["message"]
+        assert res["maps_agree"] and res["serving_ok"] and res["next_ok"], res
+    assert any("InjectedFault" in res["message"] for res in results.values())
+    assert all(res["p2l"] == results[0]["p2l"] for res in results.values())
+
+
+@pytest.mark.parametrize("mode", ["sync", pytest.param("async", marks=pytest.mark.slow)])
+def test_write_error_is_fatal(tmp_path, mode):
+    """The victim's injected write raises when the second layer switches: EplbFatalError
+    there (its layer is still old, maps matching weights), and its peers, who switched
+    it, lose it and are fatal too, within a bounded time."""
+    results = _run(tmp_path, mode, "raise", "before_commit")
+    victim = results[VICTIM]
+    assert victim["outcome"] == "fatal" and victim["fired"] == 1, victim
+    assert "writing layer" in victim["message"] and "InjectedFault" in victim["message"], victim
+    assert victim["switched"] == 1 and victim["maps_agree"] and victim["step_after_fatal"] == "raised"
+    peers = [results[r] for r in range(WORLD) if r != VICTIM]
+    for res in peers:
+        assert res["outcome"] == "fatal" and res["maps_agree"], res
+        assert res["switched"] == 2 and res["seconds"] < 3 * TIMEOUT + 5, res
+    assert all(res["p2l"] == peers[0]["p2l"] for res in peers)
+
+
+def test_stall_no_group_timeout_sees_is_aborted_by_the_watchdog(tmp_path):
+    """Asynchronous: every rank's exchange blocks on a local Event for 3 x transfer_timeout
+    before touching any group (no group timeout can fire), then would carry on normally.
+    The no-progress watchdog ("no layer switched for transfer_timeout") aborts the change
+    on every rank within 2 x transfer_timeout, before the stall ends; nothing switched,
+    maps match weights, serving is exact and the next change goes through."""
+    results = _run(tmp_path, "async", "stall", "before_transfer")
+    assert sorted(results) == list(range(WORLD))
+    for res in results.values():
+        assert res["outcome"] == "aborted" and res["failures"] == ["RebalanceError"], res
+        assert res["seconds"] < 2 * TIMEOUT, res["seconds"]
+        assert res["switched"] == 0 and res["maps_agree"] and res["serving_ok"] and res["next_ok"], res
+    assert any("no layer switched" in res["message"] for res in results.values()), \
+        [res["message"] for res in results.values()]
+    assert all(res["p2l"] == results[0]["p2l"] for res in results.values())
+    print(f"stall of {3 * TIMEOUT} s: every rank aborted after at most "
+          f"{max(r['seconds'] for r in results.values()):.2f} s (transfer_timeout {TIMEOUT} s)")
