@@ -28,6 +28,9 @@ def test_slots_not_divisible_by_gpus_names_field_and_choices():
     ("policy", "nope", "policy='nope' is unknown"),
     ("num_nodes", 0, "num_nodes must be an int >= 1"),
     ("initial_placement", "/no/such/file.json", "initial_placement: file not found"),
+    ("weighted_replicas", "yes", "weighted_replicas must be a bool, got 'yes'"),
+    ("weighted_replicas", 1, "weighted_replicas must be a bool, got 1"),
+    ("weighted_replicas", None, "weighted_replicas must be a bool, got None"),
 ])
 def test_invalid_values(field, value, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
@@ -58,3 +61,35 @@ def test_auto_nodes_logged(caplog, monkeypatch):
 def test_nodes_from_env(monkeypatch, local, world, nodes):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     assert nodes_from_env(world) == nodes
+
+
+def test_weighted_replicas_accepts_bools():
+    for value in (False, True):
+        assert EplbConfig(weighted_replicas=value).verify(8, 2).weighted_replicas is value
+
+
+def test_move_tolerance_default_is_the_planners_constant():
+    """One constant: EplbConfig's default is the very object eplb.core.policy defines (a
+    second literal 0.03 here would be an equal but distinct float)."""
+    from eplb.core.policy import DEFAULT_MOVE_TOLERANCE, PolicyOptions
+
+    assert EplbConfig.move_tolerance is DEFAULT_MOVE_TOLERANCE
+    assert PolicyOptions().move_tolerance is DEFAULT_MOVE_TOLERANCE
+
+
+def test_transport_and_launch_values_match_the_runtime():
+    """verify() spells the values out (the pure core does not import eplb.runtime): they
+    must be exactly the runtime's TRANSPORTS and LAUNCH_MODES."""
+    import ast
+
+    from eplb.runtime.placement_change import LAUNCH_MODES
+    from eplb.runtime.transports import TRANSPORTS
+
+    for field, values in (("transport", TRANSPORTS), ("exchange_launch", LAUNCH_MODES)):
+        for v in values:
+            assert getattr(EplbConfig(**{field: v}).verify(8, 2), field) == v
+        with pytest.raises(ValueError, match=f"{field}='bogus' is unknown") as e:
+            EplbConfig(**{field: "bogus"}).verify(8, 2)
+        listed = ast.literal_eval(str(e.value).split("choose one of ", 1)[1])
+        assert sorted(listed) == sorted(values), field
+

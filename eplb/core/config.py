@@ -10,6 +10,8 @@ import logging
 import os
 from dataclasses import dataclass
 
+from eplb.core.policy import DEFAULT_MOVE_TOLERANCE
+
 log = logging.getLogger("eplb.core.config")
 
 
@@ -30,9 +32,10 @@ class EplbConfig:
     load_decay: float = 1.0
     """Weight of a step k steps before the newest one in the window: load_decay**k
     (1.0 = plain window sum; smaller values follow drift faster)."""
-    move_tolerance: float = 0.03
+    move_tolerance: float = DEFAULT_MOVE_TOLERANCE
     """Relative extra predicted imbalance the planner accepts to keep experts where they
-    are (0 = best balance whatever it moves; larger = fewer moves). At 0.03 the ESFT
+    are (0 = best balance whatever it moves; larger = fewer moves). The default is the
+    planner's (`eplb.core.policy.DEFAULT_MOVE_TOLERANCE`, 0.03). At 0.03 the ESFT
     replay of benchmarks/planner.py moves 16.6% of the copies per rebalance (DeepSeek
     EPLB: 92.1%) with no worse out-of-sample balance; trade-off table in
     benchmarks/README.md (planner section)."""
@@ -135,6 +138,9 @@ class EplbConfig:
                              f"got {self.control_interval!r}")
         if not isinstance(self.verify_transfers, bool):
             raise ValueError(f"verify_transfers must be a bool, got {self.verify_transfers!r}")
+        # the values of eplb.runtime.transports.TRANSPORTS and placement_change.LAUNCH_MODES,
+        # spelled out: the pure core does not import the runtime (tests/test_config.py
+        # checks that they match)
         if self.transport not in ("auto", "nccl", "ipc"):
             raise ValueError(f"transport={self.transport!r} is unknown; choose one of "
                              "['auto', 'nccl', 'ipc']")
