@@ -577,3 +577,31 @@ def test_connection_limit_answers_503():
             time.sleep(0.05)
     finally:
         j.close()
+
+
+def test_client_is_its_own_module():
+    """The HTTP client (eplb trigger / eplb record) lives in eplb.ops.client and does not
+    import the server; the server module re-exports it for old imports (the very same objects)."""
+    import eplb.ops.client as client
+    import eplb.ops.server as server
+
+    for name in ("TriggerError", "trigger_rebalance", "rebalance_status", "wait_for_rebalance",
+                 "fetch_load", "describe_status", "MAX_LOAD_BYTES"):
+        assert getattr(server, name) is getattr(client, name), name
+    r = subprocess.run([sys.executable, "-c", "import sys, eplb.ops.client; "
+                        "print(sorted(m for m in sys.modules if m in ('eplb.ops.server', 'http.server')))"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
+
+
+def test_handler_methods_are_short():
+    """Each route has its own small method (the route table `_ROUTES`); no handler method
+    grows past about 40 lines."""
+    import inspect
+
+    from eplb.ops import server
+
+    assert {r.handler for r in server._ROUTES.values()} <= set(vars(server._Handler))
+    for cls in (server._HTTPHandler, server._Handler):
+        for name, fn in vars(cls).items():
+            if inspect.isfunction(fn):
+                assert len(inspect.getsource(fn).splitlines()) <= 40, (cls.__name__, name)

@@ -114,8 +114,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
 
 
 def cmd_trigger(a: argparse.Namespace) -> int:
-    from eplb.ops.server import (TriggerError, describe_status, load_token, trigger_rebalance,
-                             wait_for_rebalance)
+    from eplb.ops.client import TriggerError, describe_status, trigger_rebalance, wait_for_rebalance
+    from eplb.ops.server import load_token
 
     if a.wait is not None and not 0 <= a.wait <= 86400:
         raise ValueError(f"--wait must be between 0 and 86400 seconds, got {a.wait:g}")
@@ -175,7 +175,7 @@ def cmd_record(a: argparse.Namespace) -> int:
     import numpy as np
 
     from eplb.core.loadio import MAX_LOAD_ELEMENTS
-    from eplb.ops.server import TriggerError, fetch_load
+    from eplb.ops.client import TriggerError, fetch_load
 
     out = Path(a.out)
     trace = a.count is not None or a.every is not None

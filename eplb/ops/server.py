@@ -44,8 +44,10 @@ Hardening (each point has a test in tests/test_server.py):
     line of at most 300 characters, which the operator asked for with the token;
   * requests are logged only at DEBUG level on the "eplb.ops.server" logger.
 
-`trigger_rebalance()` / `rebalance_status()` / `wait_for_rebalance()` are the client side,
-used by `eplb trigger`; `fetch_load()` is `eplb record`'s.
+The client side (`eplb trigger`, `eplb record`) is `eplb.ops.client`.
+
+Longer than 400 lines because each hardening point above needs its own plumbing (the
+connection cap, the request deadline, the header budget) next to the handler it guards.
 """
 from __future__ import annotations
 
@@ -61,12 +63,10 @@ import socket
 import stat
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from eplb.ops.metrics import EplbMetrics
@@ -82,8 +82,16 @@ MAX_CONNECTIONS = 32  # connections served at once (503 beyond)
 STATE_CHANGING = ("POST", "PUT", "DELETE", "PATCH")
 _ERROR_TEXT_LIMIT = 300  # characters of a failed rebalance's reason in GET /rebalance/<id>
 _DRAIN_LIMIT = 1 << 20  # bytes of an oversized body read and dropped so the client sees 413
-_ROUTES = {"/": ("GET",), "/metrics": ("GET",), "/healthz": ("GET",), "/placement": ("GET",),
-           "/load": ("GET",), "/rebalance": ("POST",)}
+
+class _Route(NamedTuple):
+    methods: tuple[str, ...]  # allowed methods (HEAD is allowed wherever GET is)
+    handler: str  # name of the _Handler method that answers
+
+
+# the route table: path -> methods and handler; GET /rebalance/<id> is matched by _STATUS_ROUTE
+_ROUTES = {"/": _Route(("GET",), "_index"), "/metrics": _Route(("GET",), "_metrics"),
+           "/healthz": _Route(("GET",), "_healthz"), "/placement": _Route(("GET",), "_placement"),
+           "/load": _Route(("GET",), "_load"), "/rebalance": _Route(("POST",), "_rebalance")}
 _STATUS_ROUTE = re.compile(r"/rebalance/([0-9]{1,18})")
 _GZIP_MIN = 1024  # bytes of a /load answer above which it is gzipped for clients that accept it
 
@@ -315,7 +323,10 @@ class _DeadlineReader(io.RawIOBase):
         return self._sock.recv_into(b)
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _HTTPHandler(BaseHTTPRequestHandler):
+    """Request plumbing: deadlines and size limits, JSON answers and errors, the body, the
+    bearer token. `_Handler` adds the routes."""
+
     server: _Server
     server_version = "eplb"
     sys_version = ""
@@ -457,6 +468,10 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         return True
 
+
+class _Handler(_HTTPHandler):
+    """The routes (`_ROUTES`): every request goes through `_dispatch`."""
+
     def _dispatch(self, method: str) -> None:
         try:
             if self._read_body() is None:
@@ -464,26 +479,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.settimeout(self.timeout)  # the request is in: writes get the idle timeout
             if method in STATE_CHANGING and not self._authorized():
                 return
-            path = urllib.parse.urlsplit(self.path).path
-            if path != "/":
-                path = path.rstrip("/") or "/"
-            m = _STATUS_ROUTE.fullmatch(path)
-            allowed = ("GET",) if m else _ROUTES.get(path)
-            if allowed is None:
-                self._error(404, f"no such endpoint: {path}")
-                return
-            effective = "GET" if method == "HEAD" and "GET" in allowed else method
-            if effective not in allowed:
-                self._error(405, f"{method} is not allowed on {path} (use {', '.join(allowed)})",
-                            {"Allow": ", ".join(allowed + (("HEAD",) if "GET" in allowed else ()))})
-                return
-            if m:
-                self._status(int(m.group(1)))
-            elif path == "/rebalance":
-                self._rebalance()
-            else:
-                {"/": self._index, "/metrics": self._metrics, "/healthz": self._healthz,
-                 "/placement": self._placement, "/load": self._load}[path]()
+            self._route(method)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             log.debug("eplb server: client went away", exc_info=True)
         except Exception:
@@ -492,6 +488,25 @@ class _Handler(BaseHTTPRequestHandler):
                 self._error(500, "internal error (see the server log)")
             except OSError:
                 pass
+
+    def _route(self, method: str) -> None:
+        """Answer 404 / 405 or call the route's handler."""
+        path = urllib.parse.urlsplit(self.path).path
+        if path != "/":
+            path = path.rstrip("/") or "/"
+        status = _STATUS_ROUTE.fullmatch(path)
+        route = _Route(("GET",), "_status") if status else _ROUTES.get(path)
+        if route is None:
+            self._error(404, f"no such endpoint: {path}")
+            return
+        allowed = route.methods
+        effective = "GET" if method == "HEAD" and "GET" in allowed else method
+        if effective not in allowed:
+            self._error(405, f"{method} is not allowed on {path} (use {', '.join(allowed)})",
+                        {"Allow": ", ".join(allowed + (("HEAD",) if "GET" in allowed else ()))})
+            return
+        handler = getattr(self, route.handler)
+        handler(int(status.group(1))) if status else handler()
 
     # ---- endpoints -------------------------------------------------------------------
     def _index(self) -> None:
@@ -572,141 +587,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(200, status)
 
 
-# ==== client side (`eplb trigger`) ====================================================
-
-class TriggerError(Exception):
-    """A one-line reason the request did not get through (unreachable, refused, timeout)."""
-
-
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via a proxy
-
-
-def _base(url: str) -> str:
-    u = url.strip().rstrip("/")
-    if not re.match(r"https?://", u):
-        raise TriggerError(f"URL must start with http:// or https://, got {url!r}")
-    if u.endswith("/rebalance"):
-        u = u[: -len("/rebalance")]
-    return u
-
-
-def _call(method: str, url: str, token: str | None = None, timeout: float = 10.0,
-          max_bytes: int = 1 << 20) -> dict:
-    headers = {"Accept": "application/json", "Accept-Encoding": "gzip"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(url, data=b"" if method == "POST" else None, method=method,
-                                 headers=headers)
-    try:
-        with _OPENER.open(req, timeout=timeout) as r:
-            raw = r.read(max_bytes + 1)
-            if r.headers.get("Content-Encoding") == "gzip":
-                with gzip.GzipFile(fileobj=io.BytesIO(raw)) as z:
-                    raw = z.read(max_bytes + 1)
-            if len(raw) > max_bytes:
-                raise TriggerError(f"{method} {url}: the answer is larger than {max_bytes} bytes")
-    except urllib.error.HTTPError as e:
-        try:
-            msg = json.loads(e.read(65536) or b"{}").get("error") or e.reason
-        except (ValueError, AttributeError, OSError):
-            msg = e.reason
-        try:
-            phrase = f" {HTTPStatus(e.code).phrase}"
-        except ValueError:
-            phrase = ""
-        raise TriggerError(f"{method} {url}: {e.code}{phrase}: {msg}") from None
-    except urllib.error.URLError as e:
-        reason = e.reason
-        if isinstance(reason, (TimeoutError, socket.timeout)):
-            raise TriggerError(f"{method} {url}: no answer within {timeout:g} s") from None
-        text = getattr(reason, "strerror", None) or str(reason)
-        raise TriggerError(f"{method} {url}: cannot connect ({text})") from None
-    except (TimeoutError, socket.timeout):
-        raise TriggerError(f"{method} {url}: no answer within {timeout:g} s") from None
-    except (OSError, ValueError, EOFError) as e:  # connection reset, bad port, bad gzip, ...
-        raise TriggerError(f"{method} {url}: {getattr(e, 'strerror', None) or e}") from None
-    try:
-        d = json.loads(raw)
-    except ValueError:
-        raise TriggerError(f"{method} {url}: the answer is not JSON (is this an eplb server?)") from None
-    if not isinstance(d, dict):
-        raise TriggerError(f"{method} {url}: unexpected answer {d!r:.80}")
-    return d
-
-
-def trigger_rebalance(url: str, token: str | None = None, timeout: float = 10.0) -> dict:
-    """POST /rebalance at the server `url` (its base URL); returns {"id", "status_url", ...}."""
-    d = _call("POST", _base(url) + "/rebalance", token, timeout)
-    if not isinstance(d.get("id"), int):
-        raise TriggerError(f"POST {url}: the answer has no request id")
-    return d
-
-
-def rebalance_status(url: str, request_id: int, timeout: float = 10.0) -> dict:
-    """GET /rebalance/<id>: the request's state dict."""
-    return _call("GET", f"{_base(url)}/rebalance/{int(request_id)}", None, timeout)
-
-
-def wait_for_rebalance(url: str, request_id: int, wait: float, poll: float = 0.05) -> dict:
-    """Poll the request until it is done or failed; TriggerError after `wait` seconds."""
-    deadline = time.monotonic() + wait
-    status: dict = {}
-    while True:
-        left = deadline - time.monotonic()
-        status = rebalance_status(url, request_id, timeout=max(0.5, min(10.0, left + 0.5)))
-        if status.get("state") in ("done", "failed"):
-            return status
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TriggerError(f"rebalance {request_id} still {status.get('state', 'unknown')} "
-                               f"after {wait:g} s")
-        time.sleep(min(poll, left))
-        poll = min(1.0, poll * 1.5)
-
-
-MAX_LOAD_BYTES = 1 << 28  # bytes of a /load answer the client reads at most (256 MiB)
-
-
-def fetch_load(url: str, timeout: float = 10.0) -> dict:
-    """GET /load at the server `url` (its base URL): the job's recorded load as a dict with
-    `logical_count` [L][N], `gpu_load` [L][M], `total_logical_count` [L][N], `steps`,
-    `step`, `time`, ... (see EplbMetrics.load_snapshot). TriggerError with one line when
-    the server is unreachable, does not answer JSON, or has no GET /load."""
-    base = _base(url)
-    if base.endswith("/load"):
-        base = base[: -len("/load")]
-    target = base + "/load"
-    try:
-        d = _call("GET", target, None, timeout, max_bytes=MAX_LOAD_BYTES)
-    except TriggerError as e:
-        if " 404 " in str(e) and "no such endpoint" in str(e):
-            raise TriggerError(f"{e} (this server has no GET /load: an eplb older than "
-                               "the load export?)") from None
-        raise
-    counts = d.get("logical_count")
-    if not isinstance(counts, list) or not counts or not isinstance(counts[0], list):
-        raise TriggerError(f"GET {target}: the answer has no logical_count [L][N] "
-                           "(is this an eplb server?)")
-    return d
-
-
-def describe_status(status: dict) -> str:
-    """One line for a finished request, e.g. 'done at step 40: balancedness 0.87 -> 0.99 ...'."""
-    step = status.get("step")
-    at = f" at step {step}" if step is not None else ""
-    if status.get("state") == "failed":
-        return f"failed{at}: {status.get('error') or 'unknown error'}"
-    r = status.get("result") or {}
-    try:
-        if r.get("skipped"):
-            gain, floor = r["predicted_gain"], r["min_gain"]
-            why = r.get("skip_reason") or (
-                f"nothing to gain (predicted gain {gain:+.4f})" if gain <= 0 else
-                f"predicted gain {gain:+.4f} < min gain {floor:.4f}")
-            return f"skipped{at}: {why}; balancedness {r['balancedness_before']:.4f}, nothing moved"
-        seconds = r["seconds_plan"] + r["seconds_transfer"] + r["seconds_commit"]
-        return (f"done{at}: balancedness {r['balancedness_before']:.3f} -> "
-                f"{r['balancedness_after']:.3f} (predicted), {r['experts_moved']} experts moved, "
-                f"{r['bytes_moved'] / 1e6:.2f} MB, {seconds * 1e3:.1f} ms")
-    except (KeyError, TypeError):
-        return f"{status.get('state', 'unknown')}{at}"
+# the client moved to eplb.ops.client; re-exported here for code that imported it from the
+# server module (tests/test_load_export.py, test_registration_safety.py,
+# test_rebalance_figures.py; the old path eplb.server)
+from eplb.ops.client import (MAX_LOAD_BYTES, TriggerError, describe_status,  # noqa: E402,F401
+                             fetch_load, rebalance_status, trigger_rebalance, wait_for_rebalance)
