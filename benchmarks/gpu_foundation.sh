@@ -11,11 +11,11 @@ echo "== 1. eplb demo on 2 GPUs, fp32, synthetic drifting load, --verify"
 python3 -m eplb.ops.cli demo --device cuda --steps 300 --verify --json "$O/demo_cuda.json" 2>&1 | tee "$O/demo_cuda.log"
 echo "== 2. eplb demo on 2 GPUs, bf16, ESFT trace replay, larger experts, --verify"
 python3 -m eplb.ops.cli demo --device cuda --dtype bfloat16 --trace esft --experts 64 --top-k 6 --layers 8 \
-  --hidden 1024 --intermediate 1024 --tokens 4096 --steps 200 --rebalance-every 50 --verify \
+  --hidden 1024 --intermediate 1024 --tokens 4096 --steps 200 --rebalance-interval 50 --verify \
   --json "$O/demo_cuda_bf16.json" 2>&1 | tee "$O/demo_cuda_bf16.log"
 echo "== 3. the same job under plain torchrun"
 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m eplb.ops.demo --device cuda --steps 60 \
-  --rebalance-every 20 --verify 2>&1 | tee "$O/torchrun.log"
+  --rebalance-interval 20 --verify 2>&1 | tee "$O/torchrun.log"
 echo "== 4. multi-rank tests on NCCL"
 EPLB_TEST_BACKEND=nccl python3 -m pytest -q -p no:cacheprovider tests/test_runtime.py \
   tests/test_transfer_dist.py tests/test_moe.py tests/test_weighted.py tests/test_control.py \

@@ -10,8 +10,8 @@ echo "| window \\ decay | $(echo $decays | sed 's/ / | /g') |"
 for w in $windows; do
   row="| $w |"
   for d in $decays; do
-    m=$($eplb simulate esft --num-gpus 16 --num-slots 80 --aggregate "$agg" --window "$w" \
-          --interval "$interval" --decay "$d" --policy "$policy" --no-oracle |
+    m=$($eplb simulate esft --num-gpus 16 --num-slots 80 --aggregate "$agg" --window-size "$w" \
+          --rebalance-interval "$interval" --load-decay "$d" --policy "$policy" --no-oracle |
         awk -v p="$policy" '$1 == p {print $2}')
     row="$row $m |"
   done

@@ -96,13 +96,13 @@ def test_plan_cli_bad_input(files, tmp_path, capsys, load, extra, needle):
     _one_line_exit_2(argv, capsys, needle)
 
 
-SIM = ["--num-gpus", "2", "--num-slots", "8", "--window", "1", "--interval", "1", "--no-oracle"]
+SIM = ["--num-gpus", "2", "--num-slots", "8", "--window-size", "1", "--rebalance-interval", "1", "--no-oracle"]
 
 
 @pytest.mark.parametrize("trace,extra,needle", [
     ("trace", ["--num-slots", str(10**12)], "num_slots"),
-    ("trace", ["--window", "true"], "--window"),
-    ("trace", ["--decay", "nan"], "decay"),
+    ("trace", ["--window-size", "true"], "--window-size"),
+    ("trace", ["--load-decay", "nan"], "decay"),
     ("trace", ["--move-tolerance", "inf"], "move_tolerance"),
     ("big", [], "big.npy"),
     ("big3", [], "big3.npy"),
@@ -122,7 +122,7 @@ def test_simulate_cli_bad_input(files, capsys, trace, extra, needle):
     (["--hidden", str(10**12)], "--hidden"),
     (["--tokens", str(10**12)], "--tokens"),
     (["--layers", str(10**12)], "--layers"),
-    (["--redundant", str(10**12)], "--redundant"),
+    (["--num-redundant-experts", str(10**12)], "--num-redundant-experts"),
     (["--nproc", str(10**6)], "--nproc"),
     (["--drift-period", "0"], "--drift-period"),
     (["--skew", "nan"], "--skew"),

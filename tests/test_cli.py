@@ -150,3 +150,166 @@ def test_every_plan_flag_has_help():
             continue
         assert " ".join(a.help.split()) in text, a.dest
     assert "planning policy, one of balanced, deepseek, default (default: default)" in text
+
+
+# ---- one name per setting: a CLI flag is its EplbConfig field name with dashes ---------------
+# the spellings the flags had before, each a deprecated alias of the canonical flag now
+OLD_SPELLINGS = {"--window": "window_size", "--rebalance-every": "rebalance_interval",
+                 "--interval": "rebalance_interval", "--decay": "load_decay",
+                 "--weighted": "weighted_replicas", "--async": "async_rebalance",
+                 "--redundant": "num_redundant_experts"}
+
+
+def _config_fields() -> set[str]:
+    import dataclasses
+
+    from eplb.core.config import EplbConfig
+
+    return {f.name for f in dataclasses.fields(EplbConfig)}
+
+
+def _all_parsers():
+    """(name, parser) of every `eplb` subcommand and of `python -m eplb.ops.demo`, found by
+    walking the parsers themselves."""
+    import argparse
+
+    from eplb.ops.cli import build_parser
+    from eplb.ops.demo import build_parser as demo_parser
+
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield f"eplb {name}", sub
+    yield "python -m eplb.ops.demo", demo_parser()
+
+
+def _setting_actions():
+    """(parser name, action, field) of every option that sets an EplbConfig field."""
+    fields = _config_fields()
+    for name, parser in _all_parsers():
+        for action in parser._actions:
+            if action.dest in fields and action.option_strings:
+                yield name, action, action.dest
+
+
+def test_setting_flags_are_the_config_field_names():
+    from eplb.ops.cli import Setting
+
+    fields = _config_fields()
+    exposed = set()
+    for name, parser in _all_parsers():
+        for action in parser._actions:
+            opts = action.option_strings
+            named = {o[2:].replace("-", "_") for o in opts if o.startswith("--")} & fields
+            if action.dest not in fields:  # not a setting: no spelling may look like one
+                assert not named and not set(opts) & OLD_SPELLINGS.keys(), (name, opts, action.dest)
+                continue
+            field = action.dest
+            exposed.add(field)
+            assert opts[0] == "--" + field.replace("_", "-"), (name, field, opts)
+            for old in opts[1:]:  # only known old spellings, warned about and hidden
+                assert OLD_SPELLINGS.get(old) == field, (name, field, old)
+                assert isinstance(action, Setting), (name, field, old)
+    assert exposed >= {"window_size", "rebalance_interval", "load_decay", "move_tolerance",
+                       "min_gain", "weighted_replicas", "async_rebalance", "verify_transfers",
+                       "num_redundant_experts", "policy", "num_nodes", "transport",
+                       "exchange_launch"}
+    # every old spelling is still accepted somewhere
+    aliases = {old for _, a, _ in _setting_actions() for old in a.option_strings[1:]}
+    assert aliases == set(OLD_SPELLINGS)
+
+
+_DEMO_VALUES = {"window_size": 7, "rebalance_interval": 9, "num_redundant_experts": 4,
+                "policy": "deepseek", "min_gain": 0.2, "load_decay": 0.5, "move_tolerance": 0.1,
+                "weighted_replicas": True, "verify_transfers": True, "async_rebalance": True,
+                "transport": "ipc", "exchange_launch": "step"}
+
+
+def test_demo_settings_reach_the_config():
+    """Each setting flag of the demo sets the EplbConfig field of its name (a flag wired to
+    the wrong field fails here)."""
+    from eplb.ops.demo import build_parser, check_demo_arguments, setup
+
+    demo = [(a, f) for n, a, f in _setting_actions() if n == "python -m eplb.ops.demo"]
+    assert {f for _, f in demo} == set(_DEMO_VALUES)
+    argv = ["--experts", "8"]
+    for action, field in demo:
+        value = _DEMO_VALUES[field]
+        argv += [action.option_strings[0]] if value is True else [action.option_strings[0], str(value)]
+    a = build_parser().parse_args(argv)
+    check_demo_arguments(a)
+    config = setup(a, 2)[0]
+    for field, value in _DEMO_VALUES.items():
+        assert getattr(config, field) == value, field
+
+
+def test_simulate_settings_reach_the_simulator(capsys, monkeypatch, tmp_path):
+    import inspect
+
+    import eplb.core.simulate
+
+    seen = {}
+    real = eplb.core.simulate.simulate
+
+    def capture(*args, **kwargs):
+        seen.update(inspect.signature(real).bind(*args, **kwargs).arguments)
+        raise ValueError("captured")
+
+    monkeypatch.setattr(eplb.core.simulate, "simulate", capture)
+    trace = tmp_path / "t.npy"
+    np.save(trace, np.ones((4, 1, 4)))
+    code, _, err = run_main(["simulate", str(trace), "--num-gpus", "2", "--num-slots", "6",
+                             "--window-size", "3", "--rebalance-interval", "2", "--load-decay", "0.5",
+                             "--move-tolerance", "0.25", "--min-gain", "0.125", "--weighted-replicas",
+                             "--num-nodes", "2", "--policy", "deepseek"], capsys)
+    assert code == 2 and "captured" in err, err
+    assert seen["window"] == 3 and seen["interval"] == 2 and seen["decay"] == 0.5
+    assert seen["move_tolerance"] == 0.25 and seen["min_gain"] == 0.125 and seen["weighted"] is True
+    assert seen["num_nodes"] == 2 and seen["policies"] == ["deepseek"]
+
+
+def test_old_spellings_still_parse_with_one_warning(capsys, monkeypatch):
+    from eplb.ops.cli import build_parser, canonical_argv
+    from eplb.ops.demo import build_parser as demo_parser
+
+    monkeypatch.delenv("RANK", raising=False)
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+    old = ["--num-gpus", "2", "--num-slots", "6", "--window", "3", "--interval=2", "--decay", "0.5",
+           "--weighted"]
+    a = sub["simulate"].parse_args(["t.npy", *old])
+    assert (a.window_size, a.rebalance_interval, a.load_decay, a.weighted_replicas) == (3, 2, 0.5, True)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"eplb simulate: warning: {o} is deprecated, use {n}" for o, n in [
+        ("--window", "--window-size"), ("--interval", "--rebalance-interval"),
+        ("--decay", "--load-decay"), ("--weighted", "--weighted-replicas")]]
+    new = sub["simulate"].parse_args(["t.npy", "--num-gpus", "2", "--num-slots", "6", "--window-size", "3",
+                                      "--rebalance-interval", "2", "--load-decay", "0.5",
+                                      "--weighted-replicas"])
+    assert vars(new) == vars(a) and capsys.readouterr().err == ""  # canonical flags: silent
+
+    demo_old = ["--rebalance-every", "5", "--window=4", "--async", "--redundant", "2"]
+    for parser in (sub["demo"], demo_parser()):
+        a = parser.parse_args(demo_old)
+        assert (a.rebalance_interval, a.window_size, a.async_rebalance, a.num_redundant_experts) == (5, 4, True, 2)
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 4 and all(" is deprecated, use --" in ln for ln in err), err
+    # `eplb demo` forwards the canonical spellings to its ranks (no second warning there)
+    assert canonical_argv(demo_parser(), demo_old + ["--steps", "3"]) == [
+        "--rebalance-interval", "5", "--window-size=4", "--async-rebalance",
+        "--num-redundant-experts", "2", "--steps", "3"]
+    monkeypatch.setenv("RANK", "1")  # under torchrun only rank 0 warns
+    assert demo_parser().parse_args(demo_old).window_size == 4
+    assert capsys.readouterr().err == ""
+
+
+def test_help_and_errors_show_only_the_canonical_flag(capsys):
+    from eplb.ops.demo import build_parser as demo_parser
+
+    text = demo_parser().format_help()
+    assert "--rebalance-interval" in text and "--window-size" in text and "--async-rebalance" in text
+    for old in ("--rebalance-every", "--window ", "--window,", "--async ", "--async,", "--redundant"):
+        assert old not in text, old
+    code, _, err = run_main(["simulate", "t.npy", "--num-gpus", "2", "--num-slots", "6",
+                             "--window", "0", "--rebalance-interval", "1"], capsys)
+    assert code == 2 and err.strip() == ("eplb simulate: error: argument --window-size: "
+                                         "--window-size must be >= 1, got 0"), err

@@ -1,5 +1,8 @@
-"""EplbConfig.verify: invalid values name the field; adjustments are logged."""
+"""EplbConfig.verify: invalid values name the field; adjustments are logged. The settings
+table of docs/operations.md matches EplbConfig, the CLI and the metrics."""
+import dataclasses
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -93,3 +96,113 @@ def test_transport_and_launch_values_match_the_runtime():
         listed = ast.literal_eval(str(e.value).split("choose one of ", 1)[1])
         assert sorted(listed) == sorted(values), field
 
+
+# ---- docs/operations.md "Settings": the table of every setting's names -------------------------
+OPERATIONS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
+DEMO_PARSERS = ("eplb demo", "python -m eplb.ops.demo")
+
+
+def _settings_table() -> list[list[str]]:
+    text = OPERATIONS.read_text()
+    section = text.split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| `")]
+    return [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in rows]
+
+
+def _parser_settings() -> dict[str, dict[str, set[str]]]:
+    """{field: {flag: {parser names}}} of every CLI option whose dest is an EplbConfig field."""
+    import argparse
+
+    from eplb.ops.cli import build_parser
+    from eplb.ops.demo import build_parser as demo_parser
+
+    parsers = [(f"eplb {name}", sub) for a in build_parser()._actions
+               if isinstance(a, argparse._SubParsersAction) for name, sub in a.choices.items()]
+    parsers.append(("python -m eplb.ops.demo", demo_parser()))
+    fields = {f.name for f in dataclasses.fields(EplbConfig)}
+    out: dict[str, dict[str, set[str]]] = {}
+    for name, parser in parsers:
+        for a in parser._actions:
+            if a.dest in fields and a.option_strings:
+                out.setdefault(a.dest, {}).setdefault(a.option_strings[0], set()).add(name)
+    return out
+
+
+def test_settings_table_matches_the_config_the_parsers_and_the_metrics():
+    import ast
+    import re
+
+    from eplb.ops.metrics import EplbMetrics
+    from eplb.runtime.placement_change import LAUNCH_MODES
+    from eplb.runtime.transports import TRANSPORTS
+    from test_metrics import make_runtime, skewed_pass, step_with
+
+    rows = _settings_table()
+    fields = dataclasses.fields(EplbConfig)
+    # one row per field, in the dataclass's order, with its default
+    assert [r[0].strip("`") for r in rows] == [f.name for f in fields]
+    for (_, _, _, default, meaning), f in zip(rows, fields):
+        assert default.startswith("`") and default.endswith("`"), (f.name, default)
+        value = ast.literal_eval(default.strip("`"))
+        assert value == f.default and type(value) is type(f.default), (f.name, default, f.default)
+        assert meaning, f.name
+    # the flags: exactly the parsers' options, each the field name with dashes
+    exposed = _parser_settings()
+    for name, flag_cell, *_ in rows:
+        field = name.strip("`")
+        want = exposed.get(field, {})
+        m = re.fullmatch(r"`(--[a-z-]+)` \(([a-z, ]+)\)", flag_cell)
+        if not want:
+            assert flag_cell == "", (field, flag_cell)
+            continue
+        assert m, (field, flag_cell)
+        flag, where = m.group(1), [w.strip() for w in m.group(2).split(",")]
+        assert flag == "--" + field.replace("_", "-") and list(want) == [flag], (field, flag, want)
+        named = {p for w in where for p in (DEMO_PARSERS if w == "demo" else (f"eplb {w}",))}
+        assert named == want[flag], (field, named, want[flag])
+    # the metric labels / info keys: the field name, and really exported under it
+    rt = make_runtime(window_size=4, load_decay=0.5)
+    metrics = EplbMetrics(rt, interval=1)
+    step_with(rt, skewed_pass())
+    snapshot = metrics.load_snapshot()
+    labels = _info_labels(metrics)
+    listed = set()
+    for name, _, metric_cell, *_ in rows:
+        field = name.strip("`")
+        keys = list(re.finditer(r"`eplb_info\{(\w+)\}`|`GET /load` `(\w+)`", metric_cell))
+        assert bool(keys) == bool(metric_cell), (field, metric_cell)
+        for m in keys:
+            key = m.group(1) or m.group(2)
+            assert key == field, (field, metric_cell)
+            if m.group(1):
+                assert labels[key] == str(getattr(rt.config, field)), (field, labels)
+            else:
+                assert snapshot[key] == getattr(rt.config, field), (field, snapshot[key])
+            listed.add(field)
+    # every setting the exports carry under a field name is in the table
+    assert listed == {k for k in [*labels, *snapshot] if k in _field_names()}
+    # the choices: the runtime's constants, in the parser and in the table
+    for field, values in (("transport", TRANSPORTS), ("exchange_launch", LAUNCH_MODES)):
+        meaning = next(r[4] for r in rows if r[0] == f"`{field}`")
+        assert set(values) <= set(re.findall(r"`(\w+)`", meaning)), (field, meaning)
+        (flag,) = exposed[field]
+        action = _action(flag)
+        assert tuple(action.choices) == tuple(values), (field, action.choices)
+
+
+def _action(flag: str):
+    from eplb.ops.demo import build_parser
+
+    return next(a for a in build_parser()._actions if flag in a.option_strings)
+
+
+def _field_names() -> set[str]:
+    return {f.name for f in dataclasses.fields(EplbConfig)}
+
+
+def _info_labels(metrics) -> dict:
+    """The eplb_info labels as exported (read from the registry, not from the code)."""
+    for fam in metrics.registry.collect():
+        if fam.name == "eplb":
+            return dict(fam.samples[0].labels)
+    raise AssertionError("no eplb_info")

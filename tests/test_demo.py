@@ -55,7 +55,7 @@ def check_records(path: Path, steps: int, layers: int) -> list[dict]:
 
 def test_demo_verify_json(tmp_path):
     out = tmp_path / "demo.json"
-    r = run(EPLB + ["demo", "--nproc", "2", "--steps", "24", "--rebalance-every", "8", "--verify",
+    r = run(EPLB + ["demo", "--nproc", "2", "--steps", "24", "--rebalance-interval", "8", "--verify",
                     "--json", str(out), "--layers", "2", "--experts", "8", "--tokens", "64"])
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
@@ -104,7 +104,7 @@ def test_demo_verify_json(tmp_path):
 
 def test_demo_says_when_a_rebalance_is_skipped(tmp_path):
     out = tmp_path / "skip.json"
-    r = run(EPLB + ["demo", "--nproc", "2", "--steps", "16", "--rebalance-every", "8",
+    r = run(EPLB + ["demo", "--nproc", "2", "--steps", "16", "--rebalance-interval", "8",
                     "--min-gain", "0.9", "--json", str(out), *SMALL])
     assert r.returncode == 0, r.stderr
     records = check_records(out, steps=16, layers=2)
@@ -124,7 +124,7 @@ def test_demo_says_when_a_rebalance_is_skipped(tmp_path):
 def test_demo_under_plain_torchrun(tmp_path):
     out = tmp_path / "torchrun.json"
     r = run(TORCHRUN + ["--standalone", "--nproc-per-node", "2", "-m", "eplb.ops.demo",
-                        "--steps", "12", "--rebalance-every", "6", "--layers", "2", "--experts", "8",
+                        "--steps", "12", "--rebalance-interval", "6", "--layers", "2", "--experts", "8",
                         "--tokens", "32", "--json", str(out)])
     assert r.returncode == 0, r.stderr
     records = check_records(out, steps=12, layers=2)
@@ -135,7 +135,7 @@ def test_demo_under_plain_torchrun(tmp_path):
 def test_demo_trace_replay(tmp_path):
     out = tmp_path / "trace.json"
     r = run(EPLB + ["demo", "--trace", "esft", "--experts", "64", "--layers", "2", "--nproc", "2",
-                    "--steps", "12", "--rebalance-every", "6", "--tokens", "64", "--hidden", "32",
+                    "--steps", "12", "--rebalance-interval", "6", "--tokens", "64", "--hidden", "32",
                     "--intermediate", "32", "--json", str(out)])
     assert r.returncode == 0, r.stderr
     assert "workload=trace esft" in r.stdout and "(top-6)" in r.stdout
@@ -145,7 +145,7 @@ def test_demo_trace_replay(tmp_path):
 
 def test_demo_nproc_abbreviation_is_not_forwarded_to_ranks(tmp_path):
     """argparse accepts --np for --nproc; the launcher must not pass it on to the ranks."""
-    r = run(EPLB + ["demo", "--np=2", "--steps", "2", "--rebalance-every", "0", *SMALL])
+    r = run(EPLB + ["demo", "--np=2", "--steps", "2", "--rebalance-interval", "0", *SMALL])
     assert r.returncode == 0, r.stderr
     assert "2 ranks on cpu" in r.stdout and "usage" not in r.stderr
 
@@ -154,7 +154,7 @@ def test_demo_bad_input_exits_2_with_one_line(tmp_path):
     flat = tmp_path / "flat.npy"
     np.save(flat, np.ones((4, 8)))
     cases = [
-        (["--redundant", "1", "--nproc", "2", "--experts", "8"], {}, "num_redundant_experts"),
+        (["--num-redundant-experts", "1", "--nproc", "2", "--experts", "8"], {}, "num_redundant_experts"),
         (["--trace", "/no/such.npy", "--nproc", "2"], {}, "not found"),
         (["--trace", "esft", "--experts", "32", "--nproc", "2"], {}, "--experts 64"),
         (["--trace", str(flat), "--experts", "8", "--nproc", "2"], {}, "[T, L, N]"),
@@ -176,7 +176,7 @@ def test_torchrun_bad_input_is_reported_once():
     """Under torchrun every rank sees the same bad input; only rank 0 reports it (torchrun adds
     its own failure summary, which is not ours to shape)."""
     for args, needle in [(["--steps", "0"], "--steps"),
-                         (["--redundant", "1", "--experts", "8"], "num_redundant_experts")]:
+                         (["--num-redundant-experts", "1", "--experts", "8"], "num_redundant_experts")]:
         r = run(TORCHRUN + ["--standalone", "--nproc-per-node", "2", "-m", "eplb.ops.demo",
                             "--layers", "2", *args], timeout=120)
         assert r.returncode != 0

@@ -170,7 +170,7 @@ def test_healthcheck_probe_against_a_real_demo_server(tmp_path):
     log = tmp_path / "demo.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log, "w") as f:
-        demo = subprocess.Popen(EPLB + ["demo", "--nproc", "1", "--steps", "5", "--rebalance-every", "5",
+        demo = subprocess.Popen(EPLB + ["demo", "--nproc", "1", "--steps", "5", "--rebalance-interval", "5",
                                         "--layers", "1", "--experts", "4", "--tokens", "8", "--hidden", "8",
                                         "--intermediate", "8", "--metrics-port", str(port),
                                         "--metrics-host", "127.0.0.1", "--metrics-hold", "120"],

@@ -47,7 +47,7 @@ def test_hf_demo_verify_figures(tmp_path, arch, dtype):
     out = tmp_path / "demo.json"
     t0 = time.monotonic()
     r = run(EPLB + ["demo", "--model", arch, "--dtype", dtype, "--nproc", "2", "--steps", str(STEPS),
-                    "--rebalance-every", str(EVERY), "--verify", "--json", str(out), *sizes_argv()])
+                    "--rebalance-interval", str(EVERY), "--verify", "--json", str(out), *sizes_argv()])
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
     L, N, W, K = SIZES["layers"], SIZES["experts"], 2, SIZES["top_k"]
@@ -167,7 +167,7 @@ def test_hf_demo_verify_catches_a_wrong_result(tmp_path, fault):
     (hook / "sitecustomize.py").write_text(
         'import os\nif os.environ.get("RANK") == "1":\n' + textwrap.indent(PERTURB[fault], "    "))
     r = run(EPLB + ["demo", "--model", "qwen3_moe", "--nproc", "2", "--steps", "4",
-                    "--rebalance-every", "2", "--min-gain", "0", "--verify", *sizes_argv()],
+                    "--rebalance-interval", "2", "--min-gain", "0", "--verify", *sizes_argv()],
             PYTHONPATH=f"{hook}:{ROOT}")
     assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("eplb demo: error: ")]

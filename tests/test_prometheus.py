@@ -36,7 +36,7 @@ COMPOSE_TARGET = '"node0:9400"'  # as quoted in the targets list
 _SCRIPT = Path(sys.executable).parent / "eplb"
 EPLB = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "eplb.ops.cli"]
 STEPS, EVERY = 400, 40
-DEMO = ["demo", "--nproc", "2", "--steps", str(STEPS), "--rebalance-every", str(EVERY),
+DEMO = ["demo", "--nproc", "2", "--steps", str(STEPS), "--rebalance-interval", str(EVERY),
         "--layers", "2", "--experts", "8", "--tokens", "32", "--hidden", "32",
         "--intermediate", "32", "--metrics-interval", "5", "--metrics-replicas",
         "--metrics-per-layer"]

@@ -345,7 +345,7 @@ def test_demo_serves_metrics_then_holds(tmp_path, monkeypatch):
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", OMP_NUM_THREADS="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1")
     hold = 1.5
-    p = subprocess.Popen([sys.executable, "-m", "eplb.ops.demo", "--steps", "20", "--rebalance-every", "10",
+    p = subprocess.Popen([sys.executable, "-m", "eplb.ops.demo", "--steps", "20", "--rebalance-interval", "10",
                           "--layers", "2", "--experts", "8", "--tokens", "32", "--hidden", "16",
                           "--intermediate", "16", "--metrics-port", "0", "--metrics-interval", "5",
                           "--metrics-hold", str(hold), "--token-file", str(token)],

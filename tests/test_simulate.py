@@ -221,7 +221,7 @@ def test_engine_rejects_bad_input(kw, needle):
 
 # ---- CLI --------------------------------------------------------------------------------
 
-ESFT = ["simulate", "esft", "--num-gpus", "16", "--num-slots", "80", "--window", "1", "--interval", "1",
+ESFT = ["simulate", "esft", "--num-gpus", "16", "--num-slots", "80", "--window-size", "1", "--rebalance-interval", "1",
         "--aggregate", "20", "--policy", "deepseek"]
 
 
@@ -258,7 +258,7 @@ def test_cli_npz_trace_and_several_policies(tmp_path, capsys):
     path = tmp_path / "t.npz"
     np.savez(path, counts=np.repeat(TINY, 2, axis=0).astype(np.uint16))  # [8, 1, 4]
     code, out, err = run_main(["simulate", str(path), "--num-gpus", "2", "--num-slots", "6",
-                               "--window", "2", "--interval", "2", "--decay", "0.5",
+                               "--window-size", "2", "--rebalance-interval", "2", "--load-decay", "0.5",
                                "--policy", "_test_hot", "--policy", "deepseek", "--no-oracle"], capsys)
     assert code == 0, err
     assert "_test_hot" in out and "deepseek" in out and "oracle:" not in out
@@ -280,15 +280,15 @@ def test_cli_plot_without_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
     (["simulate", "{nan}"], "NaN"),
     (["simulate", "{neg}"], "negative"),
     (["simulate", "{junk}"], "not a readable"),
-    (["simulate", "{good}", "--window", "0"], "--window"),
-    (["simulate", "{good}", "--interval", "x"], "--interval"),
+    (["simulate", "{good}", "--window-size", "0"], "--window-size"),
+    (["simulate", "{good}", "--rebalance-interval", "x"], "--rebalance-interval"),
     (["simulate", "{good}", "--num-slots", "3"], "num_slots"),
     (["simulate", "{good}", "--num-slots", "7"], "multiple"),
-    (["simulate", "{good}", "--interval", "9"], "nothing is left"),
+    (["simulate", "{good}", "--rebalance-interval", "9"], "nothing is left"),
     (["simulate", "{good}", "--aggregate", "99"], "aggregate"),
     (["simulate", "{good}", "--policy", "magic"], "magic"),
-    (["simulate", "{good}", "--decay", "0"], "decay"),
-    (["simulate", "{good}", "--decay", "abc"], "--decay"),
+    (["simulate", "{good}", "--load-decay", "0"], "decay"),
+    (["simulate", "{good}", "--load-decay", "abc"], "--load-decay"),
     (["simulate", "{good}", "--json", "/no/dir/x.json"], "directory"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
@@ -300,7 +300,7 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
     np.save(files["neg"], -np.ones((8, 1, 4)))
     files["junk"].write_bytes(b"not numpy")
     argv = [a.format(**files) for a in args]
-    defaults = {"--num-gpus": "2", "--num-slots": "6", "--window": "1", "--interval": "1"}
+    defaults = {"--num-gpus": "2", "--num-slots": "6", "--window-size": "1", "--rebalance-interval": "1"}
     for k, v in defaults.items():
         if k not in argv:
             argv += [k, v]
@@ -317,7 +317,7 @@ def test_cli_console_script_runs(tmp_path):
     path = tmp_path / "t.npy"
     np.save(path, np.repeat(TINY, 2, axis=0))
     p = subprocess.run([sys.executable, "-m", "eplb.ops.cli", "simulate", str(path), "--num-gpus", "2",
-                        "--num-slots", "6", "--window", "1", "--interval", "1", "--policy", "deepseek"],
+                        "--num-slots", "6", "--window-size", "1", "--rebalance-interval", "1", "--policy", "deepseek"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "oracle:deepseek" in p.stdout

@@ -2,25 +2,96 @@
 `eplb simulate` (replay a load trace under policies, offline); `eplb trigger` (ask a running
 job's server to rebalance) and `eplb record` (save its recorded load, GET /load).
 
-Every bad input exits with status 2 and one line on stderr naming the problem.
+Every bad input exits with status 2 and one line on stderr naming the problem. A flag of
+an EplbConfig setting is the field name with dashes (`Setting`; old spellings still parse,
+with a deprecation warning).
+
+Longer than 400 lines because it holds every subcommand's parser and the argument checks
+that turn each bad input into one line naming its flag; the work itself lives in eplb.core,
+eplb.ops.client and eplb.ops.demo.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import math
+import os
+import re
 import sys
 import time
 import warnings
 from pathlib import Path
 
 
+class Setting(argparse.Action):
+    """An option for an EplbConfig setting: its first option string is the canonical flag
+    (the field name with dashes, e.g. --window-size); any further ones are deprecated
+    aliases (old spellings such as --window) that still parse, print a one-line warning to
+    stderr, and are hidden from --help. `nargs=0` with `const` makes it a switch
+    (store_true with const=True, default False)."""
 
-class _Parser(argparse.ArgumentParser):
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string is not None and option_string != self.option_strings[0]:
+            warn_deprecated(parser.prog, option_string, self.option_strings[0])
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
+def warn_deprecated(prog: str, old: str, new: str) -> None:
+    """The one-line deprecation warning of an old flag spelling (once per job: under
+    torchrun only rank 0 prints it)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{prog}: warning: {old} is deprecated, use {new}", file=sys.stderr, flush=True)
+
+
+def deprecated_aliases(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """{old spelling: canonical flag} of every Setting of `parser`."""
+    return {old: a.option_strings[0] for a in parser._actions if isinstance(a, Setting)
+            for old in a.option_strings[1:]}
+
+
+def canonical_argv(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`argv` with the deprecated spellings of `parser`'s options (`--old V`, `--old=V`)
+    replaced by their canonical flags, for forwarding to another parser without a second
+    warning."""
+    aliases = deprecated_aliases(parser)
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        out.append(aliases[name] + eq + value if name in aliases else arg)
+    return out
+
+
+class SettingsHelpFormatter(argparse.HelpFormatter):
+    """--help lists a Setting under its canonical flag only."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if isinstance(action, Setting) and len(action.option_strings) > 1:
+            action = copy.copy(action)
+            action.option_strings = action.option_strings[:1]
+        return super()._format_action_invocation(action)
+
+
+_ALIASES_IN_ERROR = re.compile(r"^argument (--[\w-]+)(?:/--[\w-]+)+:")
+
+
+class SettingsParser(argparse.ArgumentParser):
+    """argparse that shows Settings by their canonical flag, in --help and in errors."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", SettingsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # type: ignore[override]
+        super().error(_ALIASES_IN_ERROR.sub(r"argument \1:", message))
+
+
+class _Parser(SettingsParser):
     """argparse that reports usage errors as one line, exit 2."""
 
     def error(self, message: str):  # type: ignore[override]
+        message = _ALIASES_IN_ERROR.sub(r"argument \1:", message)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -36,13 +107,14 @@ def _positive(name: str):
     return conv
 
 
-_DEMO_LIMITS = {"steps": 10**7, "layers": 1024, "experts": 4096, "redundant": 4096, "hidden": 1 << 16,
+_DEMO_LIMITS = {"steps": 10**7, "layers": 1024, "experts": 4096, "num_redundant_experts": 4096, "hidden": 1 << 16,
                 "intermediate": 1 << 16, "tokens": 1 << 20, "trace_window": 10**6, "nproc": 1024}
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
     import torch
 
+    from eplb.ops.demo import build_parser as demo_parser
     from eplb.ops.demo import check_demo_arguments, setup
     from eplb.ops.launch import launch
 
@@ -65,7 +137,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
     else:
         nproc = a.nproc or 4
     setup(a, nproc)  # bad sizes or trace: one line here, before any rank starts
-    forwarded = a.argv[a.argv.index("demo") + 1:]
+    # the ranks get the canonical flags: the deprecated spellings were warned about here
+    forwarded = canonical_argv(demo_parser(), a.argv[a.argv.index("demo") + 1:])
     # strip --nproc (the launcher's, not the rank's), also as argparse's abbreviations --np, ...
     out, skip = [], False
     for arg in forwarded:
@@ -284,12 +357,13 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     trace = aggregate_steps(raw, a.aggregate)  # [T // A, L, N]
     T, L, N = trace.shape
     dropped = raw.shape[0] - T * a.aggregate
-    start = a.start if a.start is not None else a.interval
-    n_plans = len(rebalance_steps(T, a.interval, start)) * len(a.policy) * (1 if a.no_oracle else 2)
+    start = a.start if a.start is not None else a.rebalance_interval
+    n_plans = len(rebalance_steps(T, a.rebalance_interval, start)) * len(a.policy) * (1 if a.no_oracle else 2)
     bar = ProgressBar(n_plans, label="simulate") if n_plans >= 50 else None
-    result = simulate(trace, a.num_gpus, a.num_slots, a.window, a.interval, policies=a.policy,
-                      num_nodes=a.num_nodes, num_groups=a.num_groups, decay=a.decay,
-                      move_tolerance=a.move_tolerance, weighted=a.weighted, min_gain=a.min_gain,
+    result = simulate(trace, a.num_gpus, a.num_slots, a.window_size, a.rebalance_interval,
+                      policies=a.policy, num_nodes=a.num_nodes, num_groups=a.num_groups,
+                      decay=a.load_decay, move_tolerance=a.move_tolerance,
+                      weighted=a.weighted_replicas, min_gain=a.min_gain,
                       bytes_per_expert=a.bytes_per_expert, start=a.start, oracle=not a.no_oracle,
                       progress=bar.update if bar else None)
     if bar:
@@ -299,9 +373,9 @@ def cmd_simulate(a: argparse.Namespace) -> int:
                   f"{raw.shape[0]} entries summed in groups of {a.aggregate} -> {T} steps"
                   + (f" (last {dropped} dropped)" if dropped else ""))
     print(f"eplb simulate: {a.trace}: {steps_desc}, {L} layers x {N} experts; {a.num_gpus} GPUs, "
-          f"{a.num_slots} slots, {a.num_nodes} node(s), {a.num_groups} group(s); window {a.window}, "
-          f"interval {a.interval}, decay {a.decay:g}, move tolerance {a.move_tolerance:g}, "
-          f"min gain {a.min_gain:g}{', weighted' if a.weighted else ''}")
+          f"{a.num_slots} slots, {a.num_nodes} node(s), {a.num_groups} group(s); window {a.window_size}, "
+          f"interval {a.rebalance_interval}, decay {a.load_decay:g}, move tolerance "
+          f"{a.move_tolerance:g}, min gain {a.min_gain:g}{', weighted' if a.weighted_replicas else ''}")
     print(f"{len(cfg['rebalance_steps'])} rebalances per policy; steps {cfg['start']}..{T - 1} scored")
     print(format_table(result))
     if a.json:
@@ -311,8 +385,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         Path(a.json).write_text(json.dumps(d) + "\n")
         print(f"wrote {a.json}")
     if a.plot:
-        title = (f"{a.trace}: {steps_desc}\n{a.num_gpus} GPUs, {a.num_slots} slots, window {a.window}, "
-                 f"interval {a.interval}, decay {a.decay:g}")
+        title = (f"{a.trace}: {steps_desc}\n{a.num_gpus} GPUs, {a.num_slots} slots, window {a.window_size}, "
+                 f"interval {a.rebalance_interval}, decay {a.load_decay:g}")
         plot_result(result, a.plot, title=title,
                     step_label="step" if a.aggregate == 1 else f"step ({a.aggregate} trace entries each)")
         print(f"wrote {a.plot}")
@@ -400,8 +474,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sm = sub.add_parser(
         "simulate", help="replay a [T, L, N] load trace under policies and score them out of sample",
-        description="Replay a measured load trace offline: every --interval steps each policy plans "
-                    "on the last --window steps (older steps weighted decay**age) with the placement "
+        description="Replay a measured load trace offline: every --rebalance-interval steps each "
+                    "policy plans on the last --window-size steps (older steps weighted "
+                    "load_decay**age) with the placement "
                     "in force as `previous`; every following step is scored with max/mean GPU load "
                     "per layer. Also reports 'none' (start-up placement) and 'oracle' (planned on the "
                     "scored steps themselves).")
@@ -409,27 +484,31 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--num-gpus", type=_positive("--num-gpus"), required=True)
     sm.add_argument("--num-slots", type=_positive("--num-slots"), required=True,
                     help="physical slots per layer (N + redundant), divisible by --num-gpus")
-    sm.add_argument("--window", type=_positive("--window"), required=True,
-                    help="steps of load each plan sees (after --aggregate)")
-    sm.add_argument("--interval", type=_positive("--interval"), required=True,
+    sm.add_argument("--window-size", "--window", action=Setting, type=_positive("--window-size"),
+                    required=True, help="steps of load each plan sees (after --aggregate)")
+    sm.add_argument("--rebalance-interval", "--interval", action=Setting,
+                    type=_positive("--rebalance-interval"), required=True,
                     help="replan every this many steps (after --aggregate)")
     sm.add_argument("--policy", action="append", default=None, metavar="NAME",
                     help="policy to replay; repeat for several side by side (default: default)")
     sm.add_argument("--num-nodes", type=_positive("--num-nodes"), default=1)
     sm.add_argument("--num-groups", type=_positive("--num-groups"), default=1)
-    sm.add_argument("--decay", type=_float("--decay"), default=1.0,
-                    help="weight of a step k steps older than the newest: decay**k (default 1 = sum)")
+    sm.add_argument("--load-decay", "--decay", action=Setting, type=_float("--load-decay"),
+                    default=EplbConfig.load_decay,
+                    help="weight of a step k steps older than the newest: load_decay**k "
+                         f"(default {EplbConfig.load_decay:g} = sum, as EplbConfig)")
     sm.add_argument("--move-tolerance", type=_float("--move-tolerance"), default=EplbConfig.move_tolerance,
                     help=f"extra predicted imbalance accepted to keep experts in place "
                          f"(default {EplbConfig.move_tolerance}, as EplbConfig)")
-    sm.add_argument("--weighted", action="store_true", help="ask the policies for weighted replicas")
+    sm.add_argument("--weighted-replicas", "--weighted", action=Setting, nargs=0, const=True,
+                    default=EplbConfig.weighted_replicas, help="ask the policies for weighted replicas")
     sm.add_argument("--min-gain", type=_float("--min-gain"), default=EplbConfig.min_gain, metavar="G",
                     help=f"skip a rebalance whose plan raises the window's predicted balancedness "
                          f"by less than G (default {EplbConfig.min_gain}, as EplbConfig; 0 = never)")
     sm.add_argument("--aggregate", type=_positive("--aggregate"), default=1, metavar="A",
                     help="first sum every A consecutive trace entries into one step (default 1)")
     sm.add_argument("--start", type=_positive("--start"), default=None,
-                    help="step of the first plan (default: --interval, as the runtime)")
+                    help="step of the first plan (default: --rebalance-interval, as the runtime)")
     sm.add_argument("--bytes-per-expert", type=_positive("--bytes-per-expert"), default=None,
                     help="bytes of one expert's weights, to report bytes moved")
     sm.add_argument("--no-oracle", action="store_true", help="skip the oracle reference (half the work)")

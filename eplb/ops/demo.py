@@ -6,6 +6,9 @@ rebalanced by EplbRuntime on schedule. One process per rank.
     eplb demo --model qwen3_moe --verify                 # a tiny transformers model (eplb.ops.demo_hf)
 
 This is the application layer: the only `eplb` module that imports `moe`.
+
+Longer than 400 lines because the demo's arguments, their checks, the job loop and its
+summary make up one command and change together.
 """
 from __future__ import annotations
 
@@ -22,8 +25,11 @@ import torch.distributed as dist
 
 from eplb.core.config import EplbConfig
 from eplb.core.placement import Placement, balancedness_of_gpu_loads
+from eplb.ops.cli import Setting, SettingsParser
 from eplb.ops.progress import ProgressBar
 from eplb.runtime import EplbFatalError, EplbRuntime
+from eplb.runtime.placement_change import LAUNCH_MODES
+from eplb.runtime.transports import TRANSPORTS
 from eplb.core.workload import SkewedDriftWorkload, TraceWorkload, load_trace, routing_bias
 
 
@@ -32,12 +38,13 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu: gloo ranks; cuda: one rank per GPU on NCCL")
     p.add_argument("--steps", type=int, default=300, help="forward steps to run (default 300)")
-    p.add_argument("--rebalance-every", type=int, default=50,
-                   help="rebalance every K steps (default 50)")
-    p.add_argument("--window", type=int, default=None,
+    p.add_argument("--rebalance-interval", "--rebalance-every", action=Setting, type=int, default=50,
+                   help="rebalance every K steps (default 50; 0 = never)")
+    p.add_argument("--window-size", "--window", action=Setting, type=int, default=None,
                    help="steps of load each plan sees (default: the rebalance interval)")
-    p.add_argument("--async", dest="async_rebalance", action="store_true",
-                   help="rebalance in the background while serving (EplbConfig.async_rebalance)")
+    p.add_argument("--async-rebalance", "--async", action=Setting, nargs=0, const=True,
+                   default=EplbConfig.async_rebalance,
+                   help="rebalance in the background while serving")
     p.add_argument("--verify", action="store_true",
                    help="after every rebalance check outputs against the dense reference "
                         "and every slot bitwise against its expert's weights (with --model: "
@@ -51,7 +58,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=4, help="MoE layers (default 4)")
     p.add_argument("--experts", type=int, default=None,
                    help="routed experts per layer (default 32; 64 with --trace esft)")
-    p.add_argument("--redundant", type=int, default=None,
+    p.add_argument("--num-redundant-experts", "--redundant", action=Setting, type=int, default=None,
                    help="redundant slots per layer (default: one per rank)")
     p.add_argument("--top-k", type=int, default=None, help="experts per token (default 4; 6 with a trace)")
     p.add_argument("--groups", type=int, default=1, help="expert groups (group-limited top-k)")
@@ -62,7 +69,22 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="default", help="planner (default: default)")
     p.add_argument("--min-gain", type=float, default=EplbConfig.min_gain, metavar="G",
                    help="skip a rebalance whose plan raises the predicted balancedness by less "
-                        f"than G (EplbConfig.min_gain, default {EplbConfig.min_gain}; 0 = never skip)")
+                        f"than G (default {EplbConfig.min_gain}; 0 = never skip)")
+    p.add_argument("--load-decay", type=float, default=EplbConfig.load_decay, metavar="D",
+                   help="weight of a step k steps older than the newest in the window: D**k "
+                        f"(default {EplbConfig.load_decay:g} = plain sum)")
+    p.add_argument("--move-tolerance", type=float, default=EplbConfig.move_tolerance, metavar="T",
+                   help="extra predicted imbalance the planner accepts to keep experts in place "
+                        f"(default {EplbConfig.move_tolerance:g})")
+    p.add_argument("--weighted-replicas", action="store_true",
+                   help="let the planner give replicas unequal shares of their expert's tokens")
+    p.add_argument("--verify-transfers", action="store_true",
+                   help="checksum every moved slot against its expert before committing a layer")
+    p.add_argument("--transport", choices=TRANSPORTS, default=EplbConfig.transport,
+                   help=f"how expert weights travel between ranks (default {EplbConfig.transport})")
+    p.add_argument("--exchange-launch", choices=LAUNCH_MODES, default=EplbConfig.exchange_launch,
+                   help="with --async-rebalance: where weight exchanges are launched "
+                        f"(default {EplbConfig.exchange_launch})")
     p.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of the synthetic load")
     p.add_argument("--drift-period", type=int, default=200,
                    help="steps per regime of the synthetic load (default 200)")
@@ -112,8 +134,8 @@ def check_demo_arguments(a: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(a, name)}")
     if a.model is not None:
         check_model_arguments(a)
-    if a.rebalance_every < 0:
-        raise ValueError(f"--rebalance-every: must be >= 0 (0 = never), got {a.rebalance_every}")
+    if a.rebalance_interval < 0:
+        raise ValueError(f"--rebalance-interval: must be >= 0 (0 = never), got {a.rebalance_interval}")
     if a.metrics_port is None:
         for flag, value in (("--token-file", a.token_file), ("--metrics-hold", a.metrics_hold),
                             ("--metrics-replicas", a.metrics_replicas)):
@@ -131,7 +153,7 @@ def check_demo_arguments(a: argparse.Namespace) -> None:
         load_token(token_file=a.token_file)  # unreadable or empty token file: one line, early
     a.experts = a.experts or (64 if a.trace else 32)
     a.top_k = a.top_k or (6 if a.trace else 4)
-    a.window = a.window or max(1, a.rebalance_every)
+    a.window_size = a.window_size or max(1, a.rebalance_interval)
 
 
 # `eplb demo --model NAME`: the architectures of moe.hf.configs (kept here so that the
@@ -180,10 +202,13 @@ def setup(a: argparse.Namespace, world: int):
     input. Needs no process group: `eplb demo` calls it before launching any rank."""
     from moe import MoEArgs
 
-    redundant = world if a.redundant is None else a.redundant
-    config = EplbConfig(num_redundant_experts=redundant, window_size=a.window,
-                        rebalance_interval=a.rebalance_every, policy=a.policy,
-                        async_rebalance=a.async_rebalance, min_gain=a.min_gain)
+    redundant = world if a.num_redundant_experts is None else a.num_redundant_experts
+    config = EplbConfig(num_redundant_experts=redundant, window_size=a.window_size,
+                        rebalance_interval=a.rebalance_interval, policy=a.policy,
+                        async_rebalance=a.async_rebalance, min_gain=a.min_gain,
+                        load_decay=a.load_decay, move_tolerance=a.move_tolerance,
+                        weighted_replicas=a.weighted_replicas, verify_transfers=a.verify_transfers,
+                        transport=a.transport, exchange_launch=a.exchange_launch)
     config.verify(a.experts, world)  # config errors first: they name the EPLB fields
     if a.model:  # the transformers model is built on the ranks (eplb.ops.demo_hf)
         return config, None, None
@@ -289,7 +314,7 @@ def run(a: argparse.Namespace) -> int:
     bar = ProgressBar(a.steps, label="demo") if rank == 0 else None
     if rank == 0:
         print(f"eplb demo: {world} ranks on {a.device}, {runtime.config.num_nodes} node{'s' if runtime.config.num_nodes != 1 else ''}, "
-              f"{job.describe()}, policy={a.policy}, rebalance every {a.rebalance_every} steps", flush=True)
+              f"{job.describe()}, policy={a.policy}, rebalance every {a.rebalance_interval} steps", flush=True)
     server = start_metrics(a, runtime, device)  # --metrics-port; collective
     for step in range(a.steps):
         step_diff = job.forward(step)  # all ranks agree on it (None: no per-step check)
@@ -455,11 +480,16 @@ def summarize(records: list[dict], seconds: float, a: argparse.Namespace,
 DEMO_BIAS_STRENGTH = 0.015
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of `python -m eplb.ops.demo` (one rank)."""
+    p = SettingsParser(prog="python -m eplb.ops.demo", description=__doc__)
+    add_demo_arguments(p)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of one rank (`python -m eplb.ops.demo` under torchrun or `eplb demo`)."""
-    p = argparse.ArgumentParser(prog="python -m eplb.ops.demo", description=__doc__)
-    add_demo_arguments(p)
-    a = p.parse_args(argv)
+    a = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         check_demo_arguments(a)

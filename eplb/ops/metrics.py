@@ -49,6 +49,10 @@ Metric names (stable; the Grafana dashboard and alerting rules depend on them):
     eplb_placement_age_seconds                    seconds since the placement last changed
     eplb_steps_total                              runtime.steps
     eplb_info{version,policy,num_gpus,num_nodes,num_slots,num_layers}   always 1
+
+A label or key that carries an EplbConfig setting is named as its field (`policy`,
+`num_nodes` in eplb_info; `window_size`, `load_decay` in GET /load); docs/operations.md
+("Settings") lists them and tests/test_config.py checks that table.
 """
 from __future__ import annotations
 
