@@ -35,10 +35,10 @@ class InjectedFault(RuntimeError):
 
 @dataclass
 class Fault:
-    """One fault: at call `call` (1-based, on this rank) of `method` ("exchange" or
-    "write"), on the ranks in `ranks` (None: every rank), do `action`:
+    """One fault: at call `call` (1-based, on this rank; None: every call) of `method`
+    ("exchange" or "write"), on the ranks in `ranks` (None: every rank), do `action`:
 
-    * "raise": raise InjectedFault before touching anything;
+    * "raise": raise InjectedFault (message `message` if given) before touching anything;
     * "corrupt": after the real exchange, flip one bit at a random flat offset of *every*
       weight tensor of one random staged row (seeded by `seed`, rank and call);
     * "corrupt_w2": the same, only in the second weight tensor (w2 of the reference model);
@@ -50,11 +50,12 @@ class Fault:
     """
 
     method: str
-    call: int
+    call: int | None
     action: str
     ranks: Sequence[int] | None = None
     seconds: float = 600.0
     seed: int = 0
+    message: str | None = None
     fired: list = field(default_factory=list)  # what it did, per firing (for assertions)
 
     def __post_init__(self) -> None:
@@ -109,14 +110,15 @@ class FaultyTransport:
     def _due(self, method: str) -> list[Fault]:
         self.calls[method] += 1
         n = self.calls[method]
-        return [f for f in self.faults if f.method == method and f.call == n
+        return [f for f in self.faults if f.method == method and f.call in (None, n)
                 and (f.ranks is None or self.rank in f.ranks)]
 
     def _before(self, fault: Fault) -> None:
         a = fault.action
         if a == "raise":
             fault.fired.append("raise")
-            raise InjectedFault(f"injected {fault.method} failure (call {fault.call}, rank {self.rank})")
+            raise InjectedFault(fault.message or f"injected {fault.method} failure "
+                                                 f"(call {self.calls[fault.method]}, rank {self.rank})")
         if a == "stall":
             t0 = time.monotonic()
             self.stall_event.wait(fault.seconds)
@@ -140,7 +142,7 @@ class FaultyTransport:
             if f.action.startswith("corrupt"):
                 if plan.num_staged == 0:
                     raise AssertionError("a corruption fault fired on a layer with nothing staged")
-                rng = np.random.default_rng([f.seed, self.rank, f.call])
+                rng = np.random.default_rng([f.seed, self.rank, self.calls["exchange"]])
                 row = int(rng.integers(plan.num_staged))
                 tensors = [1] if f.action == "corrupt_w2" else list(range(len(staging)))
                 f.fired.append((row, flip_bits(staging, row, tensors, rng)))
@@ -166,15 +168,6 @@ def p2p_transport(faults: Sequence[Fault] = (), rank: int = 0) -> FaultyTranspor
     from eplb.runtime.transports import make_transport
 
     return FaultyTransport(make_transport("nccl"), rank, faults)
-
-
-def runtime_writes_through_transport() -> bool:
-    """Whether the mover (PlacementChange) calls `transport.write` (so write faults fire)."""
-    import inspect
-
-    from eplb.runtime import placement_change
-
-    return "transport.write" in inspect.getsource(placement_change)
 
 
 def every_rank_moves(old_p2l: np.ndarray, new_p2l: np.ndarray, num_ranks: int) -> bool:

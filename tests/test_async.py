@@ -151,7 +151,7 @@ def _explicit_body(rank, world):
     if rank == 0:
         assert "running" in states and states[-1] == "done"
     runtime.close()  # not a collective; releases the runtime's own groups
-    assert runtime.closed and runtime._control_group is None and runtime._transfer_group is None
+    assert runtime.closed and runtime.groups.control is None and runtime.groups.transfer is None
     with pytest.raises(RuntimeError, match="closed"):
         runtime.step()
     runtime.close()  # idempotent
@@ -166,7 +166,7 @@ def _failure_body(rank, world, failing_ranks, asynchronous, launch="auto"):
     aborts at the same layer (the others may first wait for the failed rank until the
     transfer timeout), nothing raises in async mode, the failure is counted, the model
     keeps serving exactly, and the next rebalance succeeds on a fresh transfer group."""
-    import eplb.runtime.transfer
+    from _faults import Fault, moving_target, p2p_transport
     from moe import DenseMoEModel, MoEModel, sample_tokens
 
     from eplb.ops.metrics import EplbMetrics
@@ -175,39 +175,36 @@ def _failure_body(rank, world, failing_ranks, asynchronous, launch="auto"):
     device = device_for(rank)
     args = _args(num_layers=4, num_redundant_experts=world)
     model = MoEModel(args, group=dist.group.WORLD, device=device)
+    # the fault is injected through the transport object the runtime is given
+    fault = Fault("exchange", 2, "raise", ranks=failing_ranks)
     runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=world, rebalance_interval=0,
                                             async_rebalance=asynchronous, transfer_timeout=2.0,
-                                            exchange_launch=launch))
+                                            exchange_launch=launch),
+                          transport=p2p_transport([fault], rank))
     metrics = EplbMetrics(runtime, interval=1000)
     failures = []
     runtime.add_failure_listener(lambda trigger, e: failures.append((trigger, e)))
     reference = DenseMoEModel(args, device=device)
     old = runtime.placement
-    rng = np.random.default_rng(5)  # same on every rank
-    target = np.stack([rng.permutation(np.arange(old.num_slots) % args.num_experts) for _ in range(4)])
+    # same on every rank; every rank's slots change in every layer, so every rank's
+    # transport sees the second changed layer as its second exchange
+    target = moving_target(old.physical_to_logical, world, args.num_experts, seed=5)
     new = old.with_physical_to_logical(target, "test")
-    real = eplb.runtime.transfer.exchange_layer
-    calls = []
-
-    def flaky(plan, weights, group, staging, **kw):
-        calls.append(1)
-        if len(calls) == 2 and rank in failing_ranks:
-            raise RuntimeError("injected exchange failure")
-        return real(plan, weights, group, staging, **kw)
-
-    eplb.runtime.transfer.exchange_layer = flaky
-    try:
-        if asynchronous:
-            assert runtime.apply_placement(new, wait=False) is None and runtime.rebalance_in_flight
-            for _ in range(2000):
-                runtime.step()
-                if not runtime.rebalance_in_flight:
-                    break
-        else:
-            with pytest.raises(RebalanceError, match="after 1 of 4 changed layers"):
-                runtime.apply_placement(new)
-    finally:
-        eplb.runtime.transfer.exchange_layer = real
+    if asynchronous:
+        assert runtime.apply_placement(new, wait=False) is None and runtime.rebalance_in_flight
+        for _ in range(2000):
+            runtime.step()
+            # every rank routes by the same maps after every step, matching its weights
+            for maps in (runtime.physical_to_logical, runtime.logical_to_physical_map,
+                         runtime.logical_replica_count):
+                assert_same_on_every_rank(maps)
+            check_committed(args, runtime, device)
+            if not runtime.rebalance_in_flight:
+                break
+    else:
+        with pytest.raises(RebalanceError, match="after 1 of 4 changed layers"):
+            runtime.apply_placement(new)
+    assert bool(fault.fired) == (rank in failing_ranks)
     assert not runtime.rebalance_in_flight and len(failures) == 1
     assert "after 1 of 4 changed layers" in str(failures[0][1])
     assert metrics.value("eplb_rebalances_total", trigger="api", outcome="failure") == 1

@@ -3,6 +3,7 @@ aggregates), rebalance counters and histograms, failures, opt-in replicas, windo
 placement age, and the exact exposed names and types."""
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 
@@ -41,7 +42,8 @@ EXPECTED = {
 }
 
 
-def make_runtime(group=None, device="cpu", **config) -> EplbRuntime:
+def make_runtime(group=None, device="cpu", transport=None, **config) -> EplbRuntime:
+    """`transport`: a transport object for the runtime (e.g. `breakable_transport()`)."""
     from moe import MoEArgs, MoEModel
 
     args = MoEArgs(hidden_size=16, intermediate_size=8, num_layers=L, num_experts=N, top_k=2,
@@ -50,7 +52,8 @@ def make_runtime(group=None, device="cpu", **config) -> EplbRuntime:
     cfg = dict(num_redundant_experts=R, window_size=4, rebalance_interval=0, control_interval=0,
                min_gain=0.0)
     cfg.update(config)
-    return EplbRuntime(MoEModel(args, group=group, device=device), EplbConfig(**cfg), group=group)
+    return EplbRuntime(MoEModel(args, group=group, device=device), EplbConfig(**cfg), group=group,
+                       transport=transport)
 
 
 def skewed_pass(scale: int = 1, rank: int = 0) -> torch.Tensor:  # [L, P]
@@ -78,9 +81,45 @@ def exposed(metrics: EplbMetrics) -> tuple[dict, dict]:
     return types, samples
 
 
+def breakable_transport(rank: int = 0):
+    """The point-to-point transport wrapped so that `broken_rebalances` can fail it."""
+    from _faults import p2p_transport
+
+    return p2p_transport([], rank)
+
+
+def breakable_policy(base: str = "default") -> str:
+    """The name of a registered policy that plans like `base` until `broken_rebalances`
+    arms it (tests/_faults.py PolicySwitch)."""
+    from _faults import PolicySwitch
+
+    return PolicySwitch.get(f"faults-{base}", base).name
+
+
+@contextlib.contextmanager
+def broken_rebalances(rt: EplbRuntime):
+    """Inside, every rebalance of `rt` fails: its policy (made with `breakable_policy`)
+    raises "transfer failed" when rank 0 plans, and every exchange of its transport (made
+    with `breakable_transport`) raises "transfer failed" (a lost peer, an OOM while
+    staging, ...). Injected through the objects the runtime was given; nothing patched."""
+    from _faults import Fault, FaultyTransport, PolicySwitch
+
+    assert isinstance(rt.transport, FaultyTransport), "make the runtime with breakable_transport()"
+    switch = PolicySwitch._made[rt.config.policy]  # KeyError: not a breakable_policy
+    fault = Fault("exchange", None, "raise", message="transfer failed")
+    switch.arm(RuntimeError("transfer failed"))
+    rt.transport.faults.append(fault)
+    try:
+        yield
+    finally:
+        switch.disarm()
+        rt.transport.faults.remove(fault)
+
+
 def break_rebalances(monkeypatch) -> None:
-    """From now on (undone by `monkeypatch`) every rebalance fails: planning and every
-    layer's exchange raise "transfer failed" (a lost peer, an OOM while staging, ...)."""
+    """For tests/test_server.py, whose job builds its runtime itself: from now on (undone
+    by `monkeypatch`) every rebalance fails: planning and every layer's exchange raise
+    "transfer failed". Tests in this file use `broken_rebalances` (injected objects)."""
     import eplb.runtime.runtime
     import eplb.runtime.transfer
 
@@ -125,7 +164,7 @@ def test_names_types_and_labels_exactly():
 
 
 def test_single_process_gauges_counters_and_failures():
-    rt = make_runtime(control_interval=2)
+    rt = make_runtime(control_interval=2, transport=breakable_transport(), policy=breakable_policy())
     m = EplbMetrics(rt, interval=3)
     v = m.value
     assert v("eplb_steps_total") == 0 and v("eplb_load_window_fill_ratio") == 0
@@ -161,8 +200,7 @@ def test_single_process_gauges_counters_and_failures():
     assert v("eplb_gpu_load_tokens", gpu="0") == pytest.approx(per_step * (1 + 7) / 2)
 
     # failures: an exception out of rebalance() counts once, under its trigger
-    with pytest.MonkeyPatch.context() as mp:
-        break_rebalances(mp)
+    with broken_rebalances(rt):
         with pytest.raises(RebalanceError, match="transfer failed"):
             rt.rebalance()
         assert v("eplb_rebalances_total", trigger="api", outcome="failure") == 1
@@ -250,7 +288,8 @@ def _two_rank_body(rank, world):
     device = device_for(rank)
     # deepseek replans from scratch, so this load surely moves experts (the move-aware
     # default could rightly keep the placement: experts 0-3 already have a replica per GPU)
-    rt = make_runtime(dist.group.WORLD, device, rebalance_interval=4, window_size=4, policy="deepseek")
+    rt = make_runtime(dist.group.WORLD, device, rebalance_interval=4, window_size=4,
+                      policy=breakable_policy("deepseek"), transport=breakable_transport(rank))
     m = EplbMetrics(rt, interval=4, per_layer_gpu_load=True)
     S = (N + R) // world
 
@@ -299,14 +338,13 @@ def _two_rank_body(rank, world):
         assert per_layer == pytest.approx(gpu / 4)
         assert per_layer.sum(0) == pytest.approx([m.value("eplb_gpu_load_tokens", gpu=str(g))
                                                   for g in range(world)])
-    with pytest.MonkeyPatch.context() as mp, pytest.raises(
+    with broken_rebalances(rt), pytest.raises(
             RebalanceError, match="transfer failed|planning failed on rank 0"):
-        break_rebalances(mp)
         rt.rebalance()
     assert m.value("eplb_rebalances_total", trigger="api", outcome="failure") == 1
     assert m.value("eplb_rebalances_total", trigger="interval", outcome="success") == 2
     assert m.value("eplb_steps_total") == 8
-    assert m.value("eplb_info", version="0.1.0", policy="deepseek", num_gpus="2", num_nodes="1",
+    assert m.value("eplb_info", version="0.1.0", policy="faults-deepseek", num_gpus="2", num_nodes="1",
                    num_slots="12", num_layers="2") == 1
 
 

@@ -245,7 +245,7 @@ def test_listener_receives_events():
 def _failing_transfer_body(rank, world):
     """A transfer that fails at the third layer on every rank: layers 0-1 are new, 2-3
     old, maps match weights everywhere, and the model still equals the reference."""
-    import eplb.runtime.transfer
+    from _faults import Fault, moving_target, p2p_transport
     from moe import DenseMoEModel, MoEModel, sample_tokens
 
     from eplb.runtime import RebalanceError
@@ -253,26 +253,17 @@ def _failing_transfer_body(rank, world):
     device = device_for(rank)
     args = _args(num_layers=4, num_redundant_experts=world)
     model = MoEModel(args, group=dist.group.WORLD, device=device)
-    runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=world, rebalance_interval=0))
+    # injected through the transport object the runtime is given: the third exchange
+    # raises on every rank (every rank's slots change in every layer of the target)
+    fault = Fault("exchange", 3, "raise")
+    runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=world, rebalance_interval=0),
+                          transport=p2p_transport([fault], rank))
     reference = DenseMoEModel(args, device=device)
     old = runtime.placement
-    rng = np.random.default_rng(11)  # same on every rank
-    target = np.stack([rng.permutation(np.arange(old.num_slots) % args.num_experts) for _ in range(4)])
-    real = eplb.runtime.transfer.exchange_layer
-    calls = []
-
-    def flaky(plan, weights, group, staging, **kw):
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("injected transfer failure")
-        return real(plan, weights, group, staging, **kw)
-
-    eplb.runtime.transfer.exchange_layer = flaky
-    try:
-        with pytest.raises(RebalanceError, match="after 2 of 4 changed layers.*injected transfer failure"):
-            runtime.apply_placement(old.with_physical_to_logical(target, "test"))
-    finally:
-        eplb.runtime.transfer.exchange_layer = real
+    target = moving_target(old.physical_to_logical, world, args.num_experts, seed=11)
+    with pytest.raises(RebalanceError, match="after 2 of 4 changed layers.*injected exchange failure"):
+        runtime.apply_placement(old.with_physical_to_logical(target, "test"))
+    assert fault.fired == ["raise"]
     p2l = runtime.placement.physical_to_logical
     assert np.array_equal(p2l[:2], target[:2]) and np.array_equal(p2l[2:], old.physical_to_logical[2:])
     _check_slots(args, runtime, device)
