@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from typing import Iterable, MutableSequence, Protocol, Sequence, runtime_checkable
 
-import numpy as np
 import torch
 from torch import nn
+
+from eplb.core.placement import replica_cdf  # noqa: F401 - part of the protocol's vocabulary
 
 
 @runtime_checkable
@@ -103,18 +104,6 @@ class SupportsReplicaWeights(Protocol):
 def supports_replica_weights(model: object) -> bool:
     """True when `model` implements the optional weighted-replicas extension."""
     return callable(getattr(model, "set_eplb_replica_weights", None))
-
-
-def replica_cdf(replica_shares: np.ndarray, replica_count: np.ndarray) -> np.ndarray:
-    """The content of `logical_replica_cdf`: replica_shares [L, N, R] (ordered like
-    `logical_to_physical`, 0 where padded; `Placement.replica_shares`) and
-    replica_count [L, N] -> [L, N, R] float32 cumulative shares, the entries from
-    r = count - 1 on exactly 1.0."""
-    shares = np.asarray(replica_shares, dtype=np.float64)  # [L, N, R]
-    count = np.asarray(replica_count, dtype=np.int64)  # [L, N]
-    cdf = np.clip(np.cumsum(shares, axis=-1), 0.0, 1.0)  # [L, N, R]
-    last_and_padding = np.arange(shares.shape[-1]) >= (count[..., None] - 1)  # [L, N, R]
-    return np.where(last_and_padding, 1.0, cdf).astype(np.float32)
 
 
 def is_mixture_of_experts(model: object) -> bool:

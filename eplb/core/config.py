@@ -12,6 +12,13 @@ from dataclasses import dataclass
 
 from eplb.core.policy import DEFAULT_MOVE_TOLERANCE
 
+TRANSPORTS = ("nccl", "ipc", "auto")
+"""Values of `EplbConfig.transport` (how weights travel; eplb.runtime.transports)."""
+
+LAUNCH_MODES = ("auto", "thread", "step")
+"""Values of `EplbConfig.exchange_launch` (where an asynchronous change launches each
+layer's exchange; eplb.runtime.placement_change.MoveOptions)."""
+
 log = logging.getLogger("eplb.core.config")
 
 
@@ -138,19 +145,16 @@ class EplbConfig:
                              f"got {self.control_interval!r}")
         if not isinstance(self.verify_transfers, bool):
             raise ValueError(f"verify_transfers must be a bool, got {self.verify_transfers!r}")
-        # the values of eplb.runtime.transports.TRANSPORTS and placement_change.LAUNCH_MODES,
-        # spelled out: the pure core does not import the runtime (tests/test_config.py
-        # checks that they match)
-        if self.transport not in ("auto", "nccl", "ipc"):
+        if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is unknown; choose one of "
-                             "['auto', 'nccl', 'ipc']")
+                             f"{list(TRANSPORTS)}")
         if not isinstance(self.async_rebalance, bool):
             raise ValueError(f"async_rebalance must be a bool, got {self.async_rebalance!r}")
         if not isinstance(self.planner_process, bool):
             raise ValueError(f"planner_process must be a bool, got {self.planner_process!r}")
-        if self.exchange_launch not in ("auto", "thread", "step"):
+        if self.exchange_launch not in LAUNCH_MODES:
             raise ValueError(f"exchange_launch={self.exchange_launch!r} is unknown; choose one of "
-                             "['auto', 'thread', 'step']")
+                             f"{list(LAUNCH_MODES)}")
         if (isinstance(self.transfer_timeout, bool) or not isinstance(self.transfer_timeout, (int, float))
                 or not 0 < self.transfer_timeout <= 86400):
             raise ValueError(f"transfer_timeout must be seconds in (0, 86400], got {self.transfer_timeout!r}")

@@ -154,6 +154,16 @@ class Placement:
         out = np.take_along_axis(sh[:, :, None], np.maximum(l2p, 0).reshape(self.num_layers, -1, 1), 1)
         return np.where(l2p >= 0, out.reshape(l2p.shape), 0.0)
 
+    def maps(self, max_replicas: int | None = None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The routing maps a model reads, as the runtime's map tensors hold them:
+        physical_to_logical [L, P] int64, logical_to_physical [L, N, R] int64 (-1 padded),
+        replica_count [L, N] int64 and the cumulative replica shares [L, N, R] float32 in
+        logical_to_physical order (`replica_cdf`; even shares when `shares` is None)."""
+        count = self.replica_count()  # [L, N]
+        cdf = replica_cdf(self.replica_shares(max_replicas), count)  # [L, N, R]
+        return (self.physical_to_logical.copy(), self.logical_to_physical(max_replicas), count, cdf)
+
     def gpu_loads(self, load: np.ndarray) -> np.ndarray:  # [L, M]
         """Tokens per GPU when each expert's load `[L, N]` splits over its replicas by
         `shares` (evenly when shares is None)."""
@@ -295,6 +305,18 @@ def _as_int(value, name: str) -> int:
 
 def _one_line(e: Exception) -> str:
     return " ".join(str(e).split()) or e.__class__.__name__
+
+
+def replica_cdf(replica_shares: np.ndarray, replica_count: np.ndarray) -> np.ndarray:
+    """The content of `logical_replica_cdf`: replica_shares [L, N, R] (ordered like
+    `logical_to_physical`, 0 where padded; `Placement.replica_shares`) and
+    replica_count [L, N] -> [L, N, R] float32 cumulative shares, the entries from
+    r = count - 1 on exactly 1.0."""
+    shares = np.asarray(replica_shares, dtype=np.float64)  # [L, N, R]
+    count = np.asarray(replica_count, dtype=np.int64)  # [L, N]
+    cdf = np.clip(np.cumsum(shares, axis=-1), 0.0, 1.0)  # [L, N, R]
+    last_and_padding = np.arange(shares.shape[-1]) >= (count[..., None] - 1)  # [L, N, R]
+    return np.where(last_and_padding, 1.0, cdf).astype(np.float32)
 
 
 def balancedness_of_gpu_loads(gpu_loads: np.ndarray) -> np.ndarray:  # [L, M] -> [L]

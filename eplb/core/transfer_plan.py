@@ -22,7 +22,9 @@ __all__ = [
     "LayerTransferPlan",
     "InPlaceOps",
     "TransferStats",
+    "as_p2l",
     "assign_senders",
+    "choose_senders",
     "first_slot_of_expert",
     "in_place_ops",
     "plan_layer_transfer",
@@ -156,25 +158,42 @@ def assign_senders(old, new, num_ranks: int, num_nodes: int = 1
 
     ranks_per_node = num_ranks // num_nodes
     holders = {int(e): np.flatnonzero(held[:, e]).tolist() for e in np.unique(recv_expert)}
-    candidates = []
-    for r, e in zip(recv_rank.tolist(), recv_expert.tolist()):
-        cands = holders[e]
-        if num_nodes > 1:
-            same = [h for h in cands if h // ranks_per_node == r // ranks_per_node]
-            cands = same or cands
-        candidates.append(cands)
-    order = sorted(range(len(candidates)),
-                   key=lambda i: (len(candidates[i]), recv_expert[i], recv_rank[i]))
-    load = [0] * num_ranks  # sends chosen so far per rank
-    sender = np.empty(len(candidates), dtype=np.int64)  # [T]
-    for i in order:
-        r = int(recv_rank[i])
-        h = min(candidates[i], key=lambda c: (load[c], (c - r) % num_ranks))
-        load[h] += 1
-        sender[i] = h
+    sender = choose_senders(recv_expert, recv_rank, holders, [0] * num_ranks, num_ranks,
+                            node_of=lambda r: r // ranks_per_node)  # [T]
     by_expert = np.lexsort((recv_rank, recv_expert))  # [T]
     return (recv_expert[by_expert].astype(np.int64), recv_rank[by_expert].astype(np.int64),
             sender[by_expert])
+
+
+def choose_senders(expert, receiver, holders: dict[int, list[int]], sends, ring: int,
+                   node_of=None) -> np.ndarray:
+    """The sender of each (expert[t], receiver[t]) pair: the greedy choice shared by
+    `assign_senders` (a rebalance) and `eplb.core.resize_plan` (a resize). Returns
+    sender `[T]` in the order of the pairs.
+
+    Candidates are the `holders[expert]`, restricted to the receiver's node when one there
+    holds it (`node_of(rank)`; None: one node). Pairs with fewer candidates are served
+    first (then by expert, receiver), each by the candidate with the fewest sends so far
+    (`sends[rank]`, updated in place so a caller can carry counts across layers), ties
+    broken by ring distance `(candidate - receiver) % ring`, which spreads the sends of
+    one hot expert over all its holders. Deterministic."""
+    expert = np.asarray(expert, dtype=np.int64).reshape(-1)  # [T]
+    receiver = np.asarray(receiver, dtype=np.int64).reshape(-1)  # [T]
+    candidates = []
+    for r, e in zip(receiver.tolist(), expert.tolist()):
+        cands = holders[e]
+        if node_of is not None:
+            same = [h for h in cands if node_of(h) == node_of(r)]
+            cands = same or cands
+        candidates.append(cands)
+    order = sorted(range(len(candidates)), key=lambda i: (len(candidates[i]), expert[i], receiver[i]))
+    sender = np.empty(len(candidates), dtype=np.int64)  # [T]
+    for i in order:
+        r = int(receiver[i])
+        h = min(candidates[i], key=lambda c: (sends[c], (c - r) % ring))
+        sends[h] += 1
+        sender[i] = h
+    return sender
 
 
 def _rank_plan(old, new, S: int, num_ranks: int, rank: int,
@@ -209,7 +228,7 @@ def _rank_plan(old, new, S: int, num_ranks: int, rank: int,
     stage_src_peer_slot = [-1] * len(staged_local) + [peer_first[recv_from[e]][e]
                                                       for e in received.tolist()]
     hold_slots = _hold_slots(old_l, new_l, send_slot, first_slot)
-    send_hold_row = _hold_rows(hold_slots, send_slot)
+    send_hold_row = hold_rows(hold_slots, send_slot)
     # where each send lands: the receiver's first changed slot wanting the expert (it copies
     # the expert on into further such slots itself), and the receiver's hold row of it
     send_dst_slot = np.zeros(len(send_expert), dtype=np.int64)  # [T']
@@ -223,7 +242,7 @@ def _rank_plan(old, new, S: int, num_ranks: int, rank: int,
         p_sends = [first_p[e] for e in a_expert[a_send == p].tolist()]
         mine_p = np.flatnonzero(send_peer == p)
         send_dst_slot[mine_p] = [dst_of[e] for e in send_expert[mine_p].tolist()]
-        send_dst_hold_row[mine_p] = _hold_rows(_hold_slots(o, n, p_sends, first_p), send_dst_slot[mine_p])
+        send_dst_hold_row[mine_p] = hold_rows(_hold_slots(o, n, p_sends, first_p), send_dst_slot[mine_p])
 
     write_dst = np.flatnonzero(changed)  # [W]
     write_src, write_from_stage, write_local = [], [], []
@@ -275,7 +294,7 @@ def _hold_slots(old_l, new_l, send_slots, first_slot: dict[int, int]) -> np.ndar
     return np.array(sorted(set(local) | set(sent)), dtype=np.int64)
 
 
-def _hold_rows(hold_slots: np.ndarray, slots) -> np.ndarray:
+def hold_rows(hold_slots: np.ndarray, slots) -> np.ndarray:
     """`[n]` the hold row of each slot in `slots`, -1 where the slot is not held."""
     slots = np.asarray(slots, dtype=np.int64).reshape(-1)  # [n]
     pos = np.searchsorted(hold_slots, slots)  # [n]
@@ -324,7 +343,7 @@ def in_place_ops(plan: LayerTransferPlan) -> InPlaceOps:
     l_dst, l_src, l_st = dst[local], src[local], st[local]
     hold_row = np.full(len(l_dst), -1, dtype=np.int64)  # [W']
     if l_st.any():  # a locally staged row's source slot (stage_src_slot) is held instead
-        hold_row[l_st] = _hold_rows(plan.hold_slots, plan.stage_src_slot[l_src[l_st]])
+        hold_row[l_st] = hold_rows(plan.hold_slots, plan.stage_src_slot[l_src[l_st]])
     if (l_st & (hold_row < 0)).any():
         raise RuntimeError("a locally copied expert's source slot is not held")
     i64 = lambda x: np.asarray(x, dtype=np.int64).reshape(-1)  # noqa: E731
@@ -362,7 +381,7 @@ class TransferStats:
     bytes_moved: int | None = None  # experts_moved * bytes_per_expert, when given
 
 
-def _as_p2l(x) -> np.ndarray:  # [L, P]
+def as_p2l(x) -> np.ndarray:  # [L, P]
     p2l = x.physical_to_logical if isinstance(x, Placement) else np.asarray(x, dtype=np.int64)
     if p2l.ndim == 1:
         p2l = p2l[None]
@@ -374,7 +393,7 @@ def _as_p2l(x) -> np.ndarray:  # [L, P]
 def transfer_stats(old, new, num_ranks: int, bytes_per_expert: int | None = None) -> TransferStats:
     """Count what moving `old [L, P]` to `new [L, P]` costs (Placements are accepted).
     Matches the sums of `plan_layer_transfers` over ranks and layers; vectorized."""
-    old, new = _as_p2l(old), _as_p2l(new)  # [L, P], [L, P]
+    old, new = as_p2l(old), as_p2l(new)  # [L, P], [L, P]
     if old.shape != new.shape:
         raise ValueError(f"old {old.shape} and new {new.shape} differ in shape")
     L, P = old.shape

@@ -28,8 +28,7 @@ from eplb.core.placement import Placement, balancedness_of_gpu_loads
 from eplb.ops.cli import Setting, SettingsParser
 from eplb.ops.progress import ProgressBar
 from eplb.runtime import EplbFatalError, EplbRuntime
-from eplb.runtime.placement_change import LAUNCH_MODES
-from eplb.runtime.transports import TRANSPORTS
+from eplb.core.config import LAUNCH_MODES, TRANSPORTS
 from eplb.core.workload import SkewedDriftWorkload, TraceWorkload, load_trace, routing_bias
 
 

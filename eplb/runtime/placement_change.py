@@ -1,4 +1,7 @@
-"""PlacementChange: one move from the running placement to a new one, layer by layer.
+"""PlacementChange: the one layer mover. Every move of expert weights between placements
+of the same size goes through it: the runtime's rebalances (synchronous and in the
+background), `apply_placement`, the move a resize makes to its planned placement, and the
+standalone `TransferExecutor` of tools and benchmarks (eplb.runtime.transfer).
 
 Every changed layer goes through three stages:
 
@@ -38,24 +41,25 @@ import contextlib
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from eplb.core.config import LAUNCH_MODES
+from eplb.core.placement import Placement
+from eplb.core.transfer_plan import LayerTransferPlan, plan_layer_transfer
 from eplb.runtime import transfer as _transfer
 from eplb.runtime.control import PendingMin, agree_min
-from eplb.core.placement import Placement
-from eplb.runtime.transfer import (LayerTransferPlan, TransferVerificationError, allocate_staging,
-                           first_slot_of_expert, moves_in_place, plan_layer_transfer,
-                           slot_checksums)
+from eplb.runtime.groups import EplbGroups
+from eplb.runtime.transports import allocate_staging
+from eplb.runtime.verify import TransferVerificationError, expected_checksums, slot_checksums
 
 log = logging.getLogger("eplb.runtime.placement_change")
 
 
-LAUNCH_MODES = ("auto", "thread", "step")
-"""Where an asynchronous change launches its exchanges (`PlacementChange(launch=...)`)."""
 
 
 class RebalanceError(RuntimeError):
@@ -69,51 +73,100 @@ class EplbFatalError(RebalanceError):
     rank, but the job should exit and restart."""
 
 
+@dataclass(frozen=True)
+class MoveOptions:
+    """How a change moves layers. `verify`: check every staged expert against its
+    pre-transfer checksum before anything is written. `timeout`: seconds without any layer
+    switching after which this rank counts the change as failed (the agreement then aborts
+    it everywhere). `launch`: where an asynchronous change launches each layer's exchange:
+    "thread" (the background thread), "step" (the step loop, in `advance()`, at the same
+    step on every rank: its NCCL kernels then enter every GPU in the same order relative to
+    the model's collectives, which two threads cannot promise, see NVIDIA/nccl#1766) or
+    "auto" ("step" on CUDA with more than one rank and a transport that launches NCCL
+    kernels, i.e. not one with `exchange_launches_no_kernels`; else "thread").
+    `num_nodes`: for the same-node sender preference of the transfer plan."""
+
+    verify: bool = False
+    timeout: float = 300.0
+    launch: str = "auto"
+    num_nodes: int = 1
+
+    def __post_init__(self) -> None:
+        if self.launch not in LAUNCH_MODES:
+            raise ValueError(f"launch must be one of {LAUNCH_MODES}, got {self.launch!r}")
+
+
+class StagingCache:
+    """The one staging buffer of a mover's owner: one layer of local experts, reused
+    across layers (and across changes with `keep`); the IPC transport's hold buffer when
+    it fits the weights (allocated once by the transport, so a change adds no memory)."""
+
+    def __init__(self, keep: bool = False) -> None:
+        self.keep = keep
+        self._buf: list[torch.Tensor] | None = None
+
+    def get(self, transport, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        hold = getattr(transport, "hold", None)
+        if hold is not None and _fits(hold, weights):
+            return list(hold)
+        if self._buf is None or not _fits(self._buf, weights):
+            self._buf = allocate_staging(weights)
+        return self._buf
+
+    def done(self) -> None:
+        """A change finished: free the buffer unless it is kept."""
+        if not self.keep:
+            self._buf = None
+
+    def release(self) -> None:
+        self._buf = None
+
+
+def _fits(buf: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> bool:
+    return len(buf) == len(weights) and all(
+        b.shape == w.shape and b.dtype == w.dtype and b.device == w.device
+        for b, w in zip(buf, weights))
+
+
 class PlacementChange:
     """Moves expert weights and maps from `old` to the placement `plan_fn()` returns.
 
     `plan_fn()`: returns the new Placement, identical on every rank (it may run
-    collectives on `transfer_group`, e.g. rank 0 plans and broadcasts); runs in the
+    collectives on `groups.plan`, e.g. rank 0 plans and broadcasts); runs in the
     background thread in asynchronous mode.
     `weights`: per layer the local expert tensors `[S, ...]`, written in place only.
-    `maps`: the runtime's map tensors, each `[L, ...]`; `maps_of(placement)` gives CPU
-    tensors of the same shapes; a layer's rows are copied when the layer switches.
-    `timeout`: seconds without any layer switching after which this rank counts the change
-    as failed (the agreement then aborts it everywhere).
-    Groups: `transfer_group` carries the weights (EP backend), `control_group` (gloo) the
-    step loop's agreements, `plan_group` (gloo) the thread's small CPU collectives.
+    `maps`: the runtime's map tensors (`Placement.maps` order: p2l [L, P], l2p [L, N, R],
+    count [L, N], cdf [L, N, R]), or none (weights only); a layer's rows are copied when
+    the layer switches.
+    `groups`: `transfer` carries the weights (EP backend), `control` (gloo) the step
+    loop's agreements, `plan` (gloo) the thread's small CPU collectives.
+    `transport`: a transport object (`make_transport`); one with a `write(plan, weights,
+    staging)` method writes the slots itself (else `transfer.write_layer`).
     `stream`: the side CUDA stream of the background thread (asynchronous mode; None
     creates one, which initialises torch's stream pool the first time).
-    `launch`: where an asynchronous change launches each layer's exchange: "thread" (the
-    background thread), "step" (the step loop, in `advance()`, at the same step on every
-    rank: its NCCL kernels then enter every GPU in the same order relative to the model's
-    collectives, which two threads cannot promise, see NVIDIA/nccl#1766) or "auto" ("step"
-    on CUDA with more than one rank and a transport that launches NCCL kernels, i.e. not
-    one with `exchange_launches_no_kernels`; else "thread").
+    `staging`: the owner's StagingCache (default: a new one, freed when the change ends).
+    `on_switch(layer)`: called on the caller's thread right after a layer switched.
     """
 
     def __init__(self, old: Placement, plan_fn: Callable[[], Placement],
-                 weights: Sequence[Sequence[torch.Tensor]], maps: Sequence[torch.Tensor],
-                 maps_of: Callable[[Placement], Sequence[torch.Tensor]], *, rank: int,
-                 num_ranks: int, num_nodes: int, transfer_group, control_group, plan_group=None,
-                 verify: bool = False, timeout: float = 300.0, device: torch.device | None = None,
-                 transport=None, stream=None, launch: str = "auto") -> None:
-        if launch not in LAUNCH_MODES:
-            raise ValueError(f"launch must be one of {LAUNCH_MODES}, got {launch!r}")
+                 weights: Sequence[Sequence[torch.Tensor]], maps: Sequence[torch.Tensor] = (), *,
+                 groups: EplbGroups, transport, device: torch.device | None = None,
+                 options: MoveOptions = MoveOptions(), stream=None,
+                 staging: StagingCache | None = None,
+                 on_switch: Callable[[int], None] | None = None) -> None:
         self.old = old
         self.plan_fn = plan_fn
         self.weights = [list(w) for w in weights]
         self.maps = list(maps)
-        self.maps_of = maps_of
-        self.rank, self.num_ranks, self.num_nodes = rank, num_ranks, num_nodes
-        self.transfer_group, self.control_group = transfer_group, control_group
-        self.plan_group = plan_group  # gloo: the thread's CPU collectives (checksum gathers)
-        self.verify, self.timeout = verify, timeout
+        self.groups = groups
+        self.rank, self.num_ranks = groups.rank, groups.size
+        self.options = options
         self.device = device if device is not None else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
-        self.transport = transport  # for transfer.exchange_layer (None: point-to-point)
+        self.transport = transport
         self.stream = stream  # the background thread's CUDA stream (None: a new one)
-        self.launch = launch
+        self.staging_cache = staging if staging is not None else StagingCache()
+        self.on_switch = on_switch
         self.launch_in_step = False  # resolved by start(): exchanges launched by advance()
         # everything already queued on the caller's stream (earlier writes of expert
         # weights among it) comes before this change reads a weight on another stream
@@ -149,6 +202,10 @@ class PlacementChange:
         self._last_progress = time.monotonic()
         self._plans: list[LayerTransferPlan | None] = []
         self._staging: list[torch.Tensor] | None = None
+        # what this rank did, for TransferExecutor's result: experts received over the
+        # network, slots filled from a local expert, slots written, bytes in and out
+        self.counts = {"received": 0, "local_copies": 0, "written": 0, "bytes_received": 0,
+                       "bytes_sent": 0}
         self._new_maps: list[torch.Tensor] = []
         self._ready_events: list = []
         self._write_events: list = []
@@ -188,8 +245,9 @@ class PlacementChange:
         With `launch_in_step`, the thread prepares each layer and `advance()` launches its
         exchange."""
         self.pipelined = True
-        self.launch_in_step = self.launch == "step" or (
-            self.launch == "auto" and self.cuda and self.num_ranks > 1
+        launch = self.options.launch
+        self.launch_in_step = launch == "step" or (
+            launch == "auto" and self.cuda and self.num_ranks > 1
             and not getattr(self.transport, "exchange_launches_no_kernels", False))
         if self.cuda and self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
@@ -236,9 +294,9 @@ class PlacementChange:
             if self.num_ranks == 1:  # a one-rank group asks no one (group None = the world)
                 agreed = self._local_state()
             elif not self.pipelined:
-                agreed = agree_min(self._local_state(), self.control_group)
+                agreed = agree_min(self._local_state(), self.groups.control)
             elif self._pending is None:  # the first boundary only starts an agreement
-                self._pending = PendingMin(self._local_state(), self.control_group)
+                self._pending = PendingMin(self._local_state(), self.groups.control)
                 return False
             else:
                 agreed, self._pending = self._pending.result(), None
@@ -265,7 +323,7 @@ class PlacementChange:
                 self.t_end = time.perf_counter()
         elif self.pipelined and self.num_ranks > 1:  # every rank takes this branch together
             try:
-                self._pending = PendingMin(self._local_state(), self.control_group)
+                self._pending = PendingMin(self._local_state(), self.groups.control)
             except Exception as e:  # noqa: BLE001
                 self._stop_thread()
                 raise EplbFatalError(f"rebalance lost contact with its peers ({e})") from e
@@ -276,8 +334,9 @@ class PlacementChange:
         with no layer switched for `timeout` seconds counts as failed here."""
         with self._cv:
             ready, prepared, ok = self.ready, self.prepared, self.error is None
-        if ok and time.monotonic() - self._last_progress > self.timeout:
-            self._fail(TimeoutError(f"no layer switched for {self.timeout:g} s (transfer_timeout)"))
+        timeout = self.options.timeout
+        if ok and time.monotonic() - self._last_progress > timeout:
+            self._fail(TimeoutError(f"no layer switched for {timeout:g} s (transfer_timeout)"))
             ok = False
         return [ready, prepared, int(ok), self.num_ranks if ok else self.rank]
 
@@ -313,11 +372,15 @@ class PlacementChange:
             torch.cuda.current_stream(self.device).wait_event(self._start_event)
         new = self.plan_fn()
         old_p2l, new_p2l = self.old.physical_to_logical, new.physical_to_logical  # [L, P]
-        # changed layers: other experts in some slot, or only other replica shares (maps only)
-        maps_new, maps_old = self.maps_of(new), self.maps_of(self.old)  # CPU, [L, ...] each
-        layers = [l for l in range(old_p2l.shape[0])
-                  if not all(torch.equal(a[l], b[l]) for a, b in zip(maps_new, maps_old))]
-        new_maps = [t.to(self.device) for t in maps_new] if layers else []
+        if self.maps:  # changed layers: other experts in some slot, or other replica shares
+            R = self.maps[1].shape[2]
+            maps_new, maps_old = new.maps(R), self.old.maps(R)  # numpy, [L, ...] each
+            layers = [l for l in range(old_p2l.shape[0])
+                      if not all(np.array_equal(a[l], b[l]) for a, b in zip(maps_new, maps_old))]
+        else:  # weights only: layers with other experts in some slot
+            maps_new = ()
+            layers = [l for l in range(old_p2l.shape[0]) if not np.array_equal(old_p2l[l], new_p2l[l])]
+        new_maps = [torch.from_numpy(a).to(self.device) for a in maps_new] if layers else []
         self.seconds_plan = time.perf_counter() - t0
         with self._cv:
             self.new, self.layers, self._new_maps = new, layers, new_maps
@@ -336,8 +399,9 @@ class PlacementChange:
                 torch.cuda.current_stream(self.device).wait_event(self._write_events[i - 1])
             weights = self.weights[layer]
             plan = plan_layer_transfer(old_p2l[layer], new_p2l[layer], self.num_ranks, self.rank,
-                                       self.num_nodes)
-            if not self.pipelined and not self.verify and moves_in_place(self.transport, weights):
+                                       self.options.num_nodes)
+            verify = self.options.verify
+            if not self.pipelined and not verify and _transfer.moves_in_place(self.transport, weights):
                 # synchronous, over IPC: the switch moves the layer in place in one pass
                 # (`IpcTransport.move`), nothing is staged ahead
                 with self._cv:
@@ -346,8 +410,8 @@ class PlacementChange:
                 yield
                 continue
             if self._staging is None:
-                self._staging = _staging_buffer(self.transport, weights)
-            old_sums = self._gather_checksums(weights) if self.verify else None  # [P]
+                self._staging = self.staging_cache.get(self.transport, weights)
+            old_sums = self._gather_checksums(weights) if verify else None  # [P]
             if self.launch_in_step:  # advance() launches it on this thread's stream
                 with self._cv:
                     self._plans[i] = plan
@@ -357,7 +421,7 @@ class PlacementChange:
                     if self._stop or self.error is not None:
                         return
             else:
-                _transfer.exchange_layer(plan, weights, self.transfer_group, self._staging,
+                _transfer.exchange_layer(plan, weights, self.groups.transfer, self._staging,
                                          transport=self.transport)
             if old_sums is not None:
                 self._check_staging(layer, plan, old_sums)
@@ -383,7 +447,7 @@ class PlacementChange:
         ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
         try:
             with ctx:
-                _transfer.exchange_layer(self._plans[i], self.weights[layer], self.transfer_group,
+                _transfer.exchange_layer(self._plans[i], self.weights[layer], self.groups.transfer,
                                          self._staging, transport=self.transport)
         except Exception as e:  # noqa: BLE001 - reported through the agreement
             self._fail(e)
@@ -398,10 +462,11 @@ class PlacementChange:
         t0 = time.perf_counter()
         i = self.committed
         layer = self.layers[i]
+        plan = self._plans[i]
         try:
             if self._in_place[i]:  # synchronous IPC: exchange and write in one pass
-                _transfer.execute_layer_transfer(self._plans[i], self.weights[layer],
-                                                 self.transfer_group, transport=self.transport)
+                self.counts["bytes_received"] += _transfer.execute_layer_transfer(
+                    plan, self.weights[layer], self.groups.transfer, transport=self.transport)
             else:
                 if self.cuda:
                     stream = torch.cuda.current_stream(self.device)
@@ -410,7 +475,9 @@ class PlacementChange:
                     # memory from being reused before this stream has read them
                     for t in (*self._staging, *self._new_maps):
                         t.record_stream(stream)
-                _transfer.write_layer(self._plans[i], self.weights[layer], self._staging)
+                write = getattr(self.transport, "write", None) or _transfer.write_layer
+                write(plan, self.weights[layer], self._staging)
+                self.counts["bytes_received"] += plan.num_received * _bytes_per_slot(self.weights[layer])
             for dst, src in zip(self.maps, self._new_maps):
                 dst[layer].copy_(src[layer])
             if self.cuda:
@@ -421,14 +488,22 @@ class PlacementChange:
             self._stop_thread()
             raise EplbFatalError(f"writing layer {layer} failed ({type(e).__name__}: {e}); its "
                                  "weights are partly rewritten: reload the model") from e
+        c = self.counts
+        c["received"] += plan.num_received
+        c["local_copies"] += plan.num_local_copies
+        c["written"] += plan.num_slots_written
+        c["bytes_sent"] += plan.num_sent * _bytes_per_slot(self.weights[layer])
         with self._cv:
             self.committed = i + 1
             self._plans[i] = None
             if self.finished:
-                self._staging = None  # free the staging buffer
+                self._staging = None  # free the staging buffer (unless the cache keeps it)
+                self.staging_cache.done()
             self._cv.notify_all()
         self._last_progress = time.monotonic()
         self.seconds_switch += time.perf_counter() - t0
+        if self.on_switch is not None:
+            self.on_switch(layer)
 
     # ---- verification (before anything is written) ---------------------------------
     def _gather_checksums(self, weights: Sequence[torch.Tensor]) -> np.ndarray:
@@ -436,7 +511,7 @@ class PlacementChange:
         mine = slot_checksums(weights).cpu()  # [S]
         if self.num_ranks > 1:  # on the gloo plan group: no NCCL kernel from this thread
             parts = [torch.empty_like(mine) for _ in range(self.num_ranks)]
-            dist.all_gather(parts, mine, group=self.plan_group)
+            dist.all_gather(parts, mine, group=self.groups.plan)
             mine = torch.cat(parts)  # [P]
         return mine.numpy()
 
@@ -446,8 +521,8 @@ class PlacementChange:
         if K == 0:
             return
         got = slot_checksums([b[:K] for b in self._staging]).cpu().numpy()  # [K]
-        first = first_slot_of_expert(self.old.physical_to_logical[layer])
-        want = old_sums[[first[int(e)] for e in plan.stage_expert]]  # [K]
+        want = expected_checksums(self.old.physical_to_logical[layer], old_sums,
+                                  plan.stage_expert)  # [K]
         bad_rows = np.flatnonzero(got != want)
         if bad_rows.size:
             S = plan.slots_per_rank
@@ -460,12 +535,5 @@ class PlacementChange:
                 f"(nothing of the layer was written)")
 
 
-def _staging_buffer(transport, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The staging buffer of a change: the IPC transport's hold buffer when it fits these
-    weights (allocated once and kept, so a change adds no memory), else a new one."""
-    hold = getattr(transport, "hold", None)
-    if hold is not None and len(hold) == len(weights) and all(
-            b.shape == w.shape and b.dtype == w.dtype and b.device == w.device
-            for b, w in zip(hold, weights)):
-        return list(hold)
-    return allocate_staging(weights)
+def _bytes_per_slot(weights: Sequence[torch.Tensor]) -> int:
+    return sum(w[0].nbytes for w in weights) if weights and weights[0].shape[0] else 0

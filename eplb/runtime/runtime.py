@@ -22,13 +22,15 @@ import torch
 import torch.distributed as dist
 
 from eplb.core.config import EplbConfig
-from eplb.runtime.control import RebalanceRequests, agree, control_group, new_group_like
+from eplb.runtime.control import RebalanceRequests, agree
+from eplb.runtime.groups import EplbGroups
+from eplb.runtime.plan_broadcast import PlanBroadcastError, broadcast_arrays
 from eplb.core.placement import Placement, balancedness_of_gpu_loads
 from eplb.runtime.planner_process import PlannerProcess, PlannerProcessError
 from eplb.core.planning import plan, predicted_gain, worth_moving
-from eplb.protocol import MixtureOfExperts, missing_members, replica_cdf, supports_replica_weights
+from eplb.protocol import MixtureOfExperts, missing_members, supports_replica_weights
 from eplb.runtime.recorder import LoadRecorder
-from eplb.runtime.placement_change import EplbFatalError, PlacementChange, RebalanceError
+from eplb.runtime.placement_change import EplbFatalError, MoveOptions, PlacementChange, RebalanceError
 from eplb.runtime.transfer import make_transport, slot_checksums, transfer_stats
 
 log = logging.getLogger("eplb.runtime")
@@ -144,13 +146,24 @@ class EplbRuntime:
     MAX_EVENTS = 1000  # `events` keeps the newest this many RebalanceEvents
 
     def __init__(self, model: MixtureOfExperts, config: EplbConfig | None = None,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None, *, groups: EplbGroups | None = None,
+                 transport=None):
+        """`group`: the EP group (None: the world). `groups`: the process groups to use
+        (`EplbGroups`; default: `EplbGroups.create(group, config.transfer_timeout)`, a
+        collective over the group); their `ep` must be `group` when both are given.
+        `transport`: a transport object to move weights with (as `make_transport` returns,
+        or one wrapping it, e.g. to inject faults in tests); default: made from
+        `config.transport` (collective)."""
         missing = missing_members(model)
         if missing:
             raise TypeError(f"{type(model).__name__} does not implement MixtureOfExperts: "
                             f"missing {', '.join(missing)}")
         if model.num_moe_layers < 1:
             raise ValueError("model has no MoE layers (num_moe_layers must be >= 1)")
+        if groups is not None:
+            if group is not None and groups.ep is not group:
+                raise ValueError("groups.ep is not the group passed as `group`")
+            group = groups.ep
         self.model = model
         self.group = group
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
@@ -194,34 +207,25 @@ class EplbRuntime:
         self._failure_listeners: list[Callable[[str, BaseException], None]] = []
         self._step_hooks: list[Callable[["EplbRuntime"], None]] = []
         self.requests = RebalanceRequests()  # filled from any thread, served in step()
-        # own groups, with the config's timeout, so a dead or frozen peer is detected:
-        # gloo for the per-step agreements, the EP group's backend for weight transfers
-        self._control_group = self._transfer_group = self._plan_group = None
-        if self.world_size > 1:
-            # agreements wait twice as long as transfers, so a rank that failed early
-            # still hears from peers that first sat out their transfer timeout
-            self._control_group = control_group(group, 2 * self.config.transfer_timeout)
-            # CPU collectives of the rebalance thread (plan broadcast, checksum gathers):
-            # a gloo group of its own, so the thread never launches an NCCL kernel beside the
-            # model's and never shares a group with the step loop's agreements
-            self._plan_group = control_group(group, self.config.transfer_timeout)
+        # the groups, with the config's timeout, so a dead or frozen peer is detected (see
+        # eplb.runtime.groups): gloo for the per-step agreements and the rebalance
+        # thread's CPU collectives, the EP group's backend for weight transfers
+        self._owns_groups = groups is None
+        self.groups = groups if groups is not None else EplbGroups.create(
+            group, self.config.transfer_timeout, device=self.device)
         try:
             self._check_registration(problem)  # collective: every rank raises alike
         except ValueError:
-            # retired, not destroyed: a runtime made after fixing the model must not reuse
-            # their names (see _RETIRED_GROUPS)
-            _RETIRED_GROUPS.extend(g for g in (self._plan_group, self._control_group) if g is not None)
+            self._retire_groups()
             raise
         self.bytes_per_expert = sum(w.numel() // S * w.element_size() for w in self.expert_weights[0])
-        if self.world_size > 1:
-            self._transfer_group = self._new_transfer_group()
         # the first window sum launches its kernels for the first time (on a GPU, lazy
         # module loading): do it now rather than inside the step that starts a rebalance
         self.recorder.warm_up(self.group, decay=self.config.load_decay)
         # collective (IPC: every rank maps its peers' expert tensors once)
-        self.transport = make_transport(self.config.transport if self.world_size > 1 else "nccl",
-                                        self.expert_weights, self._transfer_group,
-                                        timeout=self.config.transfer_timeout)
+        self.transport = transport if transport is not None else make_transport(
+            self.config.transport if self.world_size > 1 else "nccl", self.expert_weights,
+            self.groups.transfer, timeout=self.config.transfer_timeout)
         # the rebalance thread's side stream, made here: the first stream a process makes
         # sets up torch's stream pool, which would otherwise hold the GIL inside the step
         # that starts the first rebalance
@@ -232,6 +236,9 @@ class EplbRuntime:
         if self.rank == 0 and self.config.async_rebalance:
             self._planner = self._start_planner_process() if self.config.planner_process else None
             self._warm_up_planner()
+        self._move_options = MoveOptions(
+            verify=self.config.verify_transfers, timeout=self.config.transfer_timeout,
+            launch=self.config.exchange_launch, num_nodes=self.config.num_nodes)
         self._change: PlacementChange | None = None  # the rebalance in flight (async mode)
         self._change_info: dict = {}
         self._stale: list[PlacementChange] = []  # aborted changes whose thread may still run
@@ -368,7 +375,7 @@ class EplbRuntime:
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         """All ranks' `t` (CPU) stacked, over the plan group: [M, *t.shape]."""
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(parts, t, group=self._plan_group)
+        dist.all_gather(parts, t, group=self.groups.plan)
         return torch.stack(parts)
 
     def add_listener(self, fn: Callable[[RebalanceEvent], None]) -> None:
@@ -432,7 +439,7 @@ class EplbRuntime:
         agreement on the control group, at this one step."""
         seen = self.recorder.any_load()
         if self.world_size > 1:
-            seen = agree(seen, self._control_group)
+            seen = agree(seen, self.groups.control)
         if not seen and self.rank == 0:
             log.warning("eplb: the model recorded no load in %d steps: expert_load_view is "
                         "still all zero; the model must add the tokens each slot receives into "
@@ -442,7 +449,7 @@ class EplbRuntime:
     def _agree_requested(self) -> bool:
         """Whether any rank of the group holds a request (a one-rank group asks no one)."""
         pending = self.requests.has_pending()
-        return pending if self.world_size == 1 else agree(pending, self._control_group)
+        return pending if self.world_size == 1 else agree(pending, self.groups.control)
 
     def rebalance(self, trigger: str = "api") -> RebalanceEvent | None:
         """Plan on the recorded window and move weights (collective over the group).
@@ -507,37 +514,20 @@ class EplbRuntime:
         return read
 
     def _plan_on_rank0_and_broadcast(self, load: np.ndarray) -> Placement:
-        """Rank 0 plans, then one broadcast (CPU, the runtime's gloo plan group) gives every
-        rank the very same placement.
-
-        Message (float64, exact for slot ids): physical_to_logical [L*P], shares [L*P],
-        has-shares flag, status flag. The status flag makes a planning error fail every
-        rank instead of leaving the others waiting.
-        """
+        """Rank 0 plans, then one broadcast (CPU, the gloo plan group) gives every rank the
+        very same placement (eplb.runtime.plan_broadcast); a planning error on rank 0
+        fails every rank."""
         L, P = self.placement.num_layers, self.placement.num_slots
-        group = self._plan_group
-        msg = torch.zeros(2 * L * P + 2, dtype=torch.float64)  # [2LP + 2], CPU (gloo)
-        error = None
-        if self.rank == 0:
-            try:
-                planned = self._plan(load)
-                msg[:L * P].copy_(torch.from_numpy(planned.physical_to_logical.ravel().astype(np.float64)))
-                if planned.shares is not None:
-                    msg[L * P:2 * L * P].copy_(torch.from_numpy(planned.shares.ravel().copy()))
-                    msg[-2] = 1
-                msg[-1] = 1
-            except Exception as e:  # noqa: BLE001 - the status flag tells every rank
-                error = e
-        if self.world_size > 1:
-            dist.broadcast(msg, src=dist.get_global_rank(group, 0), group=group)
-        msg = msg.cpu().numpy()
-        if error is not None:
-            raise error
-        if msg[-1] != 1:
-            raise RuntimeError("planning failed on rank 0 (see its log)")
-        p2l = msg[:L * P].astype(np.int64).reshape(L, P)  # [L, P]
-        shares = msg[L * P:2 * L * P].reshape(L, P) if msg[-2] == 1 else None  # [L, P]
-        return self.placement.with_physical_to_logical(p2l, self.config.policy, shares)
+
+        def make():
+            planned = self._plan(load)
+            return planned.physical_to_logical, planned.shares
+
+        try:
+            p2l, shares = broadcast_arrays(make, [(L, P), (L, P)], self.groups.plan)
+        except PlanBroadcastError as e:
+            raise RuntimeError(str(e)) from None
+        return self.placement.with_physical_to_logical(p2l.astype(np.int64), self.config.policy, shares)
 
     def apply_placement(self, new: Placement, trigger: str = "api", *, wait: bool = True,
                         before: np.ndarray | None = None, load: np.ndarray | None = None,
@@ -597,10 +587,7 @@ class EplbRuntime:
         elif not self.closed and dist.is_initialized():
             # drop the runtime's own groups; they are destroyed at exit (before interpreter
             # teardown), not now: see _RETIRED_GROUPS
-            for g in (self._transfer_group, self._plan_group, self._control_group):
-                if g is not None and g is not self.group:
-                    _RETIRED_GROUPS.append(g)
-            self._transfer_group = self._plan_group = self._control_group = None
+            self._retire_groups()
         self.closed = True
 
     # ---- one placement change: begin, advance, end ------------------------------
@@ -613,15 +600,10 @@ class EplbRuntime:
         # timeout; it only reads weights and writes its own staging, so it is left to end
         self._stale = [c for c in self._stale if c.thread_alive]
         change = PlacementChange(
-            self.placement, plan_fn, self.expert_weights, self._maps, self._maps_of,
-            rank=self.rank, num_ranks=self.world_size, num_nodes=self.config.num_nodes,
-            transfer_group=self._transfer_group, control_group=self._control_group,
-            plan_group=self._plan_group,
-            verify=self.config.verify_transfers, timeout=self.config.transfer_timeout,
-            device=self.device, transport=self.transport,
+            self.placement, plan_fn, self.expert_weights, self._maps, groups=self.groups,
+            transport=self.transport, device=self.device, options=self._move_options,
             # not beside a stale thread's stream work, which may wait on a hung transfer
-            stream=None if self._stale else self._side_stream,
-            launch=self.config.exchange_launch)
+            stream=None if self._stale else self._side_stream)
         info["asynchronous"] = asynchronous
         self._change, self._change_info = change, info
         if asynchronous:
@@ -645,26 +627,13 @@ class EplbRuntime:
             return None
         return self._finished() if done else None
 
-    def _new_transfer_group(self) -> dist.ProcessGroup:
-        """A group for weight transfers on the EP group's backend, with the config's
-        timeout. Warmed up here, on the step loop's thread, with the kernels the transfer
-        thread will launch (an all-reduce, then one ring of point-to-point messages): NCCL
-        needs a collective before its first partial point-to-point batch, and a kernel
-        loaded lazily for the first time in the background while the model's NCCL kernels
-        spin can stall both. Collective over the EP group."""
-        backend = dist.get_backend(self.group)
-        group = new_group_like(self.group, backend, self.config.transfer_timeout)
-        device = self.device if backend == "nccl" else torch.device("cpu")
-        dist.all_reduce(torch.zeros(1, device=device), group=group)
-        M, r = self.world_size, self.rank
-        out, into = torch.zeros(1, device=device), torch.zeros(1, device=device)
-        ops = [dist.P2POp(dist.isend, out, dist.get_global_rank(group, (r + 1) % M), group),
-               dist.P2POp(dist.irecv, into, dist.get_global_rank(group, (r - 1) % M), group)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        return group
+    def _retire_groups(self) -> None:
+        """Drop the groups this runtime made (none when the caller passed them): they are
+        destroyed at exit, not now (see _RETIRED_GROUPS)."""
+        if self._owns_groups and dist.is_initialized():
+            g = self.groups
+            _RETIRED_GROUPS.extend(x for x in (g.transfer, g.plan, g.control) if x is not None)
+        self.groups = EplbGroups(self.group, None, None, None, self.config.transfer_timeout)
 
     @property
     def _maps(self) -> tuple[torch.Tensor, ...]:
@@ -701,8 +670,7 @@ class EplbRuntime:
             if change.thread_alive:
                 self._stale.append(change)
             if self.world_size > 1:  # ops of the aborted change may still be pending: fresh groups
-                self._transfer_group = self._new_transfer_group()
-                self._plan_group = control_group(self.group, self.config.transfer_timeout)
+                self.groups = self.groups.renew(self.device)
         log.error("%s (step %d)", out, self.steps)
         self.requests.finish(info["request_ids"], error=f"{type(out).__name__}: {out}")
         for fn in self._failure_listeners:
@@ -752,17 +720,8 @@ class EplbRuntime:
     def _write_maps(self, placement: Placement) -> None:
         """Fill the shared maps in place from `placement` (set-up; a placement change
         switches them layer by layer, see PlacementChange)."""
-        for dst, src in zip(self._maps, self._maps_of(placement)):
-            dst.copy_(src)
-
-    def _maps_of(self, placement: Placement) -> tuple[torch.Tensor, ...]:
-        """CPU tensors p2l [L, P], l2p [L, N, R], count [L, N], cdf [L, N, R] of a placement."""
-        count = placement.replica_count()  # [L, N]
-        # shares in l2p order (even when placement.shares is None), cumulated; last valid = 1.0
-        cdf = replica_cdf(placement.replica_shares(self.max_replicas), count)  # [L, N, R]
-        return (torch.from_numpy(placement.physical_to_logical.copy()),
-                torch.from_numpy(placement.logical_to_physical(self.max_replicas)),
-                torch.from_numpy(count), torch.from_numpy(np.asarray(cdf)))
+        for dst, src in zip(self._maps, placement.maps(self.max_replicas)):
+            dst.copy_(torch.from_numpy(src))
 
     def _realised(self, placement: Placement) -> Placement:
         """The placement as the model routes it: without the weighted-replicas extension

@@ -17,7 +17,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from eplb.core.transfer_plan import LayerTransferPlan, _hold_rows, in_place_ops
+from eplb.core.config import TRANSPORTS
+from eplb.core.transfer_plan import LayerTransferPlan, hold_rows, in_place_ops
 
 __all__ = [
     "AUTO_PREFERS_IPC",
@@ -27,8 +28,13 @@ __all__ = [
     "P2PTransport",
     "TRANSPORTS",
     "allocate_staging",
+    "check_staging",
+    "check_weights",
+    "copy_runs",
     "make_transport",
+    "resolve_transport",
     "staging_rows",
+    "weights_key",
 ]
 
 
@@ -65,7 +71,7 @@ def allocate_staging(weights: Sequence[torch.Tensor], rows: int | None = None) -
                         dtype=w.dtype, device=w.device) for w in weights]
 
 
-def _check_staging(staging: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], rows: int) -> None:
+def check_staging(staging: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], rows: int) -> None:
     if len(staging) != len(weights):
         raise ValueError(f"staging has {len(staging)} tensors, the layer has {len(weights)}")
     for i, (b, w) in enumerate(zip(staging, weights)):
@@ -76,7 +82,7 @@ def _check_staging(staging: Sequence[torch.Tensor], weights: Sequence[torch.Tens
                 f"{w.dtype} on {w.device}; got {tuple(b.shape)} {b.dtype} on {b.device}")
 
 
-def _check_weights(plan: LayerTransferPlan, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def check_weights(plan: LayerTransferPlan, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     weights = list(weights)
     for i, w in enumerate(weights):
         if w.shape[0] != plan.slots_per_rank:
@@ -103,7 +109,7 @@ def _runs(a, b) -> list[tuple[int, int, int]]:
     return [(int(a[s]), int(b[s]), int(e - s)) for s, e in zip(starts, ends)]
 
 
-def _copy_runs(dst: Sequence[torch.Tensor], dst_idx, src: Sequence[torch.Tensor], src_idx) -> None:
+def copy_runs(dst: Sequence[torch.Tensor], dst_idx, src: Sequence[torch.Tensor], src_idx) -> None:
     """`dst[i][dst_idx[j]] = src[i][src_idx[j]]` for every tensor `i` and index `j`, one
     `copy_` per run of indices consecutive on both sides (`_runs`), on the current stream."""
     for d0, s0, n in _runs(dst_idx, src_idx):
@@ -114,7 +120,7 @@ def _copy_runs(dst: Sequence[torch.Tensor], dst_idx, src: Sequence[torch.Tensor]
 def _stage_local(plan: LayerTransferPlan, weights, staging) -> None:
     """Phase 1: local sources that will be overwritten go to their staging rows."""
     rows = np.flatnonzero(plan.stage_src_slot >= 0)  # [K_local]
-    _copy_runs(staging, rows, weights, plan.stage_src_slot[rows])
+    copy_runs(staging, rows, weights, plan.stage_src_slot[rows])
 
 
 def _peer_blocks(plan: LayerTransferPlan) -> list[tuple[int, int, int]]:
@@ -332,7 +338,7 @@ def _uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def _weights_key(weights: Sequence[torch.Tensor]) -> tuple:
+def weights_key(weights: Sequence[torch.Tensor]) -> tuple:
     return tuple((w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype) for w in weights)
 
 
@@ -436,7 +442,7 @@ class IpcTransport:
         if bad:
             self._peers.clear()
             raise RuntimeError("CUDA IPC transport unavailable: " + "; ".join(dict.fromkeys(bad)))
-        self._layer_of = {_weights_key(ws): l for l, ws in enumerate(layers)}
+        self._layer_of = {weights_key(ws): l for l, ws in enumerate(layers)}
         self.last_messages = 0
         if isinstance(hold_chunk_bytes, bool) or not isinstance(hold_chunk_bytes, int) or hold_chunk_bytes < 1:
             raise ValueError(f"hold_chunk_bytes must be a positive integer, got {hold_chunk_bytes!r}")
@@ -485,7 +491,7 @@ class IpcTransport:
         self._can_move = False
 
     def _layer(self, weights: Sequence[torch.Tensor]) -> int:
-        layer = self._layer_of.get(_weights_key(weights))
+        layer = self._layer_of.get(weights_key(weights))
         if layer is None:
             raise ValueError("these expert weights were not registered with the IPC transport "
                              "(make_transport got other tensors, or it was closed)")
@@ -516,7 +522,7 @@ class IpcTransport:
             stream = self._streams[q]  # one stream per peer: pulls from several peers overlap
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                _copy_runs(staging, np.arange(row0, row0 + n), peer, slots)
+                copy_runs(staging, np.arange(row0, row0 + n), peer, slots)
             received += n * sum(b[0].nbytes for b in staging)
         for q, _r, _n in blocks:
             torch.cuda.current_stream(self.device).wait_stream(self._streams[q])
@@ -530,7 +536,7 @@ class IpcTransport:
 
     def can_move(self, weights: Sequence[torch.Tensor]) -> bool:
         """Whether `move` can carry out a layer of these (registered) weights."""
-        return self._can_move and _weights_key(weights) in self._layer_of
+        return self._can_move and weights_key(weights) in self._layer_of
 
     @torch.no_grad()
     def move(self, plan: LayerTransferPlan, weights: list[torch.Tensor], group) -> int:
@@ -567,18 +573,18 @@ class IpcTransport:
         events = []  # [chunks] hold chunk c done (and, with it, everything queued before)
         for c in range(max(1, -(-H // rows))):
             lo, hi = c * rows, min(H, (c + 1) * rows)
-            _copy_runs(self.hold, np.arange(lo, hi), weights, plan.hold_slots[lo:hi])
+            copy_runs(self.hold, np.arange(lo, hi), weights, plan.hold_slots[lo:hi])
             events.append(torch.cuda.Event())
             events[-1].record(cur)
         from_hold = ops.local_hold_row >= 0  # [W']
-        _copy_runs(weights, ops.local_dst[from_hold], self.hold, ops.local_hold_row[from_hold])
-        _copy_runs(weights, ops.local_dst[~from_hold], weights, ops.local_src_slot[~from_hold])
+        copy_runs(weights, ops.local_dst[from_hold], self.hold, ops.local_hold_row[from_hold])
+        copy_runs(weights, ops.local_dst[~from_hold], weights, ops.local_src_slot[~from_hold])
 
         # token c from a receiver: its hold chunk c is done, so the slots held there (and,
         # for c = 0, the slots it does not hold) may be written
         send_chunk = np.maximum(plan.send_dst_hold_row, 0) // rows  # [T] token each send waits for
         out_last = {p: int(send_chunk[plan.send_peer == p].max()) for p in np.unique(plan.send_peer).tolist()}
-        recv_rows = _hold_rows(plan.hold_slots, ops.recv_dst)  # [R]
+        recv_rows = hold_rows(plan.hold_slots, ops.recv_dst)  # [R]
         recv_chunk = np.maximum(recv_rows, 0) // rows  # [R]
         in_last = {q: int(recv_chunk[ops.recv_peer == q].max()) for q in np.unique(ops.recv_peer).tolist()}
 
@@ -605,7 +611,7 @@ class IpcTransport:
         works += [dist.irecv(torch.empty(1), _global_rank(cpu, q), group=cpu, tag=2) for q in in_last]
         for work in works:
             work.wait()
-        _copy_runs(weights, ops.dup_dst, weights, ops.dup_src)  # every sender is done
+        copy_runs(weights, ops.dup_dst, weights, ops.dup_src)  # every sender is done
         self.last_messages = tokens + len(in_last) + len(out_last)
         self.moves += 1
         return len(ops.recv_peer) * expert_bytes
@@ -627,8 +633,8 @@ class IpcTransport:
         held = src_rows >= 0
         peer = self._peers[p][layer]
         with torch.cuda.stream(stream):  # the peer's tensors are mapped on this GPU (`_open`)
-            _copy_runs(peer, dst[held], self.hold, src_rows[held])
-            _copy_runs(peer, dst[~held], weights, slots[~held])
+            copy_runs(peer, dst[held], self.hold, src_rows[held])
+            copy_runs(peer, dst[~held], weights, slots[~held])
 
     def settle(self, plan: LayerTransferPlan, group) -> None:
         """Pairwise, stream-ordered: send a token to every rank this rank pulled from and make
@@ -648,7 +654,6 @@ class IpcTransport:
             work.wait()
 
 
-TRANSPORTS = ("nccl", "ipc", "auto")
 
 
 def make_transport(kind: str = "auto", expert_weights: Sequence[Sequence[torch.Tensor]] | None = None,
@@ -691,7 +696,7 @@ def make_transport(kind: str = "auto", expert_weights: Sequence[Sequence[torch.T
     return IpcTransport(expert_weights, group, timeout)
 
 
-def _resolve(transport):
+def resolve_transport(transport):
     if transport is None or transport == "nccl":
         return P2PTransport()
     if isinstance(transport, str):
