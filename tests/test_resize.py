@@ -397,33 +397,16 @@ def _bad_requests_body(rank, world):
         _check_slots(args, res.runtime, device)
         _check_outputs(args, model, reference, rank, device)
 
-    # one value corrupted on its way into rank 3 (injected after the real copy): the
-    # checksums catch it on every rank, naming the layer and the slot
-    import eplb.runtime.resize
-
-    real = eplb.runtime.resize._execute_layer
-
-    def corrupting(lp, me, old, new, group):
-        received = real(lp, me, old, new, group)
-        if me == 3 and lp is rs_layers[0]:
+    # one value corrupted on its way into rank 3 (injected through the resize's test seam,
+    # after the real copy): the checksums catch it on every rank, naming the layer and slot
+    def corrupt(layer, new):
+        if rank == 3 and layer == 0:
             new[0][0].view(-1)[0] += 1.0  # layer 0, new slot 0 of rank 3 = slot 9
-        return received
 
-    real_plan = eplb.runtime.resize.plan_resize
-
-    def remember(*a, **kw):
-        rs = real_plan(*a, **kw)
-        rs_layers[:] = rs.layers
-        return rs
-
-    rs_layers = []
-    eplb.runtime.resize._execute_layer, eplb.runtime.resize.plan_resize = corrupting, remember
-    try:
-        with pytest.raises(ResizeVerificationError, match="verification failed on layer 0: new slots "
-                                                          r"\[9\]") as e:
-            resize_expert_parallel(model, [0, 1], everyone, runtime=res.runtime, config=cfg)
-    finally:
-        eplb.runtime.resize._execute_layer, eplb.runtime.resize.plan_resize = real, real_plan
+    with pytest.raises(ResizeVerificationError, match="verification failed on layer 0: new slots "
+                                                      r"\[9\]") as e:
+        resize_expert_parallel(model, [0, 1], everyone, runtime=res.runtime, config=cfg,
+                               transfer_hook=corrupt)
     assert e.value.layer == 0 and e.value.bad_slots == [9]
 
 
