@@ -110,10 +110,10 @@ def _runtime_body(rank, world):
     cfg = EplbConfig(num_redundant_experts=world, rebalance_interval=0, async_rebalance=True)
     runtime = EplbRuntime(model, cfg)
     if rank == 0:
-        assert runtime._planner is not None and runtime._planner.alive
-        proc = runtime._planner._proc
+        assert runtime.planner.process is not None and runtime.planner.process.alive
+        proc = runtime.planner.process._proc
     else:
-        assert runtime._planner is None  # only rank 0 plans
+        assert runtime.planner.process is None  # only rank 0 plans
     if rank == 0:  # experts 2 and 3 (rank 0's slots 2, 3; no replica elsewhere) hot
         runtime.expert_load_pass[:, 2:4] = 100
     runtime.step()
@@ -129,7 +129,7 @@ def _runtime_body(rank, world):
     assert np.array_equal(runtime.placement.physical_to_logical, want.physical_to_logical)
     runtime.close()
     if rank == 0:
-        assert runtime._planner is None and proc.poll() is not None
+        assert runtime.planner.process is None and proc.poll() is not None
 
 
 def test_async_runtime_plans_in_the_child_on_rank_0():
@@ -153,7 +153,7 @@ def test_policy_registered_at_run_time_is_planned_in_the_thread(caplog):
         runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=2, async_rebalance=True,
                                                 policy="test-planner-process-local",
                                                 rebalance_interval=0, min_gain=0.0))
-    assert runtime._planner is None
+    assert runtime.planner.process is None
     assert "not built in" in caplog.text
     runtime.expert_load_pass[:, 0] = 100
     runtime.step()
@@ -168,7 +168,7 @@ def test_planner_process_can_be_turned_off():
     args = MoEArgs(hidden_size=16, intermediate_size=8, num_layers=1, num_experts=4, top_k=2,
                    num_redundant_experts=0, seed=0).validate(1)
     runtime = EplbRuntime(MoEModel(args), EplbConfig(async_rebalance=True, planner_process=False))
-    assert runtime._planner is None
+    assert runtime.planner.process is None
     runtime.close()
     with pytest.raises(ValueError, match="planner_process must be a bool"):
         EplbConfig(planner_process="yes").verify(4, 1, 4)

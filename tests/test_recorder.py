@@ -248,10 +248,11 @@ def test_decayed_window_sums_over_ranks():
     run_distributed(_decayed_window_all_reduces, 2)
 
 
-def test_runtime_rebalance_passes_decay_and_planner_knobs(monkeypatch):
+def test_runtime_rebalance_passes_decay_and_planner_knobs():
     """rebalance() plans on the decay-weighted window with the config's move_tolerance and
-    weighted_replicas."""
-    import eplb.runtime.runtime as rt
+    weighted_replicas (seen by a registered policy, the public way in)."""
+    from eplb import EplbRuntime, register_policy
+    from eplb.core.policy import get_policy
     from eplb.core.config import EplbConfig
     from moe import MoEArgs, MoEModel, sample_tokens
 
@@ -259,21 +260,20 @@ def test_runtime_rebalance_passes_decay_and_planner_knobs(monkeypatch):
                    num_redundant_experts=4, seed=1)
     model = MoEModel(args)
     cfg = EplbConfig(num_redundant_experts=4, window_size=3, rebalance_interval=0, load_decay=0.5,
-                     move_tolerance=0.3, weighted_replicas=False)
-    runtime = rt.EplbRuntime(model, cfg)
+                     move_tolerance=0.3, weighted_replicas=False, policy="test-recorder-spy")
+    seen = {}
+
+    @register_policy("test-recorder-spy")
+    def spy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options):
+        seen["load"], seen["options"] = np.array(load), options
+        return get_policy("default")(load, num_slots, num_gpus, num_nodes, num_groups, previous, options)
+
+    runtime = EplbRuntime(model, cfg)
     for step in range(4):
         model(sample_tokens(args, 16, seed=step))
         runtime.step()
     want, _ = runtime.recorder.window_load(decay=0.5)
-    seen = {}
-    real_plan = rt.plan
-
-    def spy(load, *a, **kw):
-        seen["load"], seen["kw"] = np.array(load), kw
-        return real_plan(load, *a, **kw)
-
-    monkeypatch.setattr(rt, "plan", spy)
     runtime.rebalance()
     assert np.allclose(seen["load"], want.numpy())
     assert not np.allclose(seen["load"], runtime.recorder.window_load()[0].numpy())
-    assert seen["kw"]["move_tolerance"] == 0.3 and seen["kw"]["weighted"] is False
+    assert seen["options"].move_tolerance == 0.3 and seen["options"].weighted is False

@@ -34,6 +34,9 @@ aborts the change on all ranks at the same layer: `RebalanceError`, and layers b
 are new, later ones old, maps matching weights everywhere; serving continues. When the
 agreement itself fails (a peer died or stopped answering; the gloo group times out after
 `timeout`), the group is no longer usable: `EplbFatalError`.
+
+About 500 lines: the stages, the agreement and the switch share the change's state
+under one lock, and splitting them would scatter the one protocol every move follows.
 """
 from __future__ import annotations
 

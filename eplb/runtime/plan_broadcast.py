@@ -1,19 +1,27 @@
 """One rank plans, every rank gets the very same arrays: the plan broadcast.
 
-Used by the runtime (rank 0 of the EP group plans a placement; the other ranks wait in
-the broadcast) and by the resize (the first old rank sends the placement in force and
+Used by the runtime (`Rank0Planner`: rank 0 of the EP group plans a placement; the other
+ranks wait in the broadcast) and by the resize (the first old rank sends the placement in force and
 the planned one to every rank of the union). Planning errors travel too: a status flag
 in the message makes every rank fail instead of leaving the others waiting.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["PlanBroadcastError", "broadcast_arrays"]
+from eplb.core.config import EplbConfig
+from eplb.core.placement import Placement
+from eplb.core.planning import plan
+from eplb.runtime.planner_process import PlannerProcess, PlannerProcessError
+
+__all__ = ["PlanBroadcastError", "Rank0Planner", "broadcast_arrays"]
+
+log = logging.getLogger("eplb.runtime")
 
 
 class PlanBroadcastError(RuntimeError):
@@ -69,3 +77,71 @@ def broadcast_arrays(make: Callable[[], Sequence[np.ndarray | None]] | None,
         arrays.append(out[off:off + n].reshape(s).copy() if out[total + i] == 1 else None)
         off += n
     return arrays
+
+
+class Rank0Planner:
+    """The runtime's planner: rank 0 of the EP group plans, every rank gets the very same
+    placement through one broadcast on the plan group.
+
+    In asynchronous mode rank 0 plans in a child process (`PlannerProcess`, so planning
+    never holds the serving process's GIL) when `use_process` and the policy is built in;
+    otherwise in the calling thread. `plan` is collective over `group`."""
+
+    def __init__(self, config: EplbConfig, num_gpus: int, num_expert_groups: int, rank: int,
+                 use_process: bool = False) -> None:
+        self.config, self.num_gpus, self.num_expert_groups = config, num_gpus, num_expert_groups
+        self.rank = rank
+        self.process: PlannerProcess | None = None
+        if rank == 0 and use_process:
+            self.process = self._start_process()
+
+    def _start_process(self) -> PlannerProcess | None:
+        """The child process rank 0 plans in, or None to plan in the calling thread: when
+        the policy was registered at run time (unknown in the child) or the child cannot
+        start."""
+        try:
+            planner = PlannerProcess()
+            if planner.can_plan(self.config.policy):
+                return planner
+            planner.close()
+            log.info("eplb: policy %r is not built in: planning in the rebalance thread",
+                     self.config.policy)
+        except (OSError, PlannerProcessError) as e:
+            log.warning("eplb: the planner process did not start (%s): planning in the "
+                        "rebalance thread", e)
+        return None
+
+    def plan_here(self, load: np.ndarray, previous: Placement) -> Placement:
+        """Rank 0's planning call (in the planner process when there is one)."""
+        fn = self.process.plan if self.process is not None else plan
+        c = self.config
+        return fn(load, self.num_gpus, previous.num_slots, c.num_nodes, self.num_expert_groups,
+                  c.policy, previous=previous, move_tolerance=c.move_tolerance,
+                  weighted=c.weighted_replicas)
+
+    def warm_up(self, previous: Placement) -> None:
+        """Plan once on a uniform load, now (rank 0): the first plan of a process pays for
+        imports and first-call costs (tens of ms of Python holding the GIL), which would
+        otherwise land in the first rebalance and delay the steps served beside it."""
+        if self.rank == 0:
+            self.plan_here(np.ones((previous.num_layers, previous.num_logical_experts)), previous)
+
+    def plan(self, load: np.ndarray, previous: Placement, group) -> Placement:
+        """Rank 0 plans on `load [L, N]`; every rank of `group` returns the same placement
+        (a planning error on rank 0 is raised there, RuntimeError on the others)."""
+        L, P = previous.num_layers, previous.num_slots
+
+        def make():
+            planned = self.plan_here(load, previous)
+            return planned.physical_to_logical, planned.shares
+
+        try:
+            p2l, shares = broadcast_arrays(make, [(L, P), (L, P)], group)
+        except PlanBroadcastError as e:
+            raise RuntimeError(str(e)) from None
+        return previous.with_physical_to_logical(p2l.astype(np.int64), self.config.policy, shares)
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.close()
+            self.process = None

@@ -7,6 +7,11 @@
     runtime.rebalance()         # or now, on every rank (a collective)
 
 Every rank of `group` must call `step()` and `rebalance()` in lockstep.
+
+Its parts live in their own modules (groups, registration checks, the rank-0 planner
+and plan broadcast, the layer mover, events); what stays here, about 500 lines, is the
+step loop and the life of one placement change (begin, advance, finish or fail), kept in
+one class because they share the runtime's state (placement, maps, change in flight).
 """
 from __future__ import annotations
 
@@ -14,7 +19,6 @@ import atexit
 import logging
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -22,23 +26,22 @@ import torch
 import torch.distributed as dist
 
 from eplb.core.config import EplbConfig
-from eplb.runtime.control import RebalanceRequests, agree
-from eplb.runtime.groups import EplbGroups
-from eplb.runtime.plan_broadcast import PlanBroadcastError, broadcast_arrays
 from eplb.core.placement import Placement, balancedness_of_gpu_loads
-from eplb.runtime.planner_process import PlannerProcess, PlannerProcessError
-from eplb.core.planning import plan, predicted_gain, worth_moving
+from eplb.core.planning import predicted_gain, worth_moving
+from eplb.core.transfer_plan import transfer_stats
 from eplb.protocol import MixtureOfExperts, missing_members, supports_replica_weights
-from eplb.runtime.recorder import LoadRecorder
+from eplb.runtime.control import RebalanceRequests, agree
+from eplb.runtime.events import NO_LOAD, RebalanceEvent
+from eplb.runtime.groups import EplbGroups
 from eplb.runtime.placement_change import EplbFatalError, MoveOptions, PlacementChange, RebalanceError
-from eplb.runtime.transfer import make_transport, slot_checksums, transfer_stats
+from eplb.runtime.plan_broadcast import Rank0Planner
+from eplb.runtime.recorder import LoadRecorder
+from eplb.runtime.registration import check_registration, expert_weights_problem
+from eplb.runtime.transports import make_transport
 
 log = logging.getLogger("eplb.runtime")
 
-NO_LOAD = "no load recorded (the window is all zero: the model added nothing into expert_load_view)"
-
-
-__all__ = ["EplbRuntime", "RebalanceEvent", "RebalanceError", "EplbFatalError"]
+__all__ = ["NO_LOAD", "EplbRuntime", "RebalanceEvent", "RebalanceError", "EplbFatalError"]
 
 _LIVE_RUNTIMES: "weakref.WeakSet[EplbRuntime]" = weakref.WeakSet()
 
@@ -67,79 +70,6 @@ def _close_live_runtimes() -> None:
                 dist.destroy_process_group(group)
             except Exception:  # noqa: BLE001 - destroyed with the default group, or exiting
                 pass
-
-
-@dataclass
-class RebalanceEvent:
-    """What one rebalance did, identical on every rank. A skipped rebalance (its plan
-    gained less than `min_gain`) moved nothing and kept the placement in force."""
-
-    step: int
-    trigger: str
-    balancedness_before: np.ndarray  # [L] measured over the window's per-GPU load (mean/max)
-    balancedness_after: np.ndarray  # [L] predicted: the window's load on the placement in force after
-    experts_moved: int  # remote expert copies received, all ranks together
-    local_copies: int  # slots filled from another slot on the same rank
-    slots_changed: int
-    bytes_moved: int  # bytes sent between ranks, all ranks together
-    seconds_plan: float
-    seconds_transfer: float
-    seconds_commit: float  # time the step loop spent switching layers (writes + maps)
-    placement: Placement = field(repr=False)
-    steps_in_flight: int = 0  # step boundaries the change spanned (asynchronous mode; else 0)
-    # what the change cost the step loop (host time): in total, its longest single step
-    # boundary, and the part of the total spent waiting for agreements
-    seconds_step_loop: float = 0.0
-    max_step_loop_seconds: float = 0.0
-    seconds_agree_wait: float = 0.0
-    # mean predicted balancedness of the plan minus that of the placement in force, both on
-    # the window's load; a plan gaining less than min_gain is skipped
-    predicted_gain: float = 0.0
-    skipped: bool = False
-    min_gain: float = 0.0
-    skip_reason: str = ""  # set when skipped for another reason than the gain (NO_LOAD)
-
-    @property
-    def seconds(self) -> float:
-        return self.seconds_plan + self.seconds_transfer + self.seconds_commit
-
-    @property
-    def outcome(self) -> str:
-        """"skipped" or "success" (the `outcome` label of eplb_rebalances_total)."""
-        return "skipped" if self.skipped else "success"
-
-    def describe(self) -> str:
-        """One line for logs and consoles, e.g. `rebalance at step 50 (interval): balancedness
-        0.868 -> 0.984 (predicted), 20 experts moved (0.98 MB) in 0.044 s`."""
-        head = f"rebalance at step {self.step} ({self.trigger})"
-        before = float(np.mean(self.balancedness_before))
-        if self.skipped:
-            why = self.skip_reason or (
-                f"nothing to gain (predicted gain {self.predicted_gain:+.4f})"
-                if self.predicted_gain <= 0
-                else f"predicted gain {self.predicted_gain:+.4f} < min gain {self.min_gain:.4f}")
-            return f"{head} skipped: {why}; balancedness {before:.4f}, nothing moved"
-        return (f"{head}: balancedness {before:.4f} -> {float(np.mean(self.balancedness_after)):.4f} "
-                f"(predicted), {self.experts_moved} experts moved ({self.bytes_moved / 1e6:.2f} MB) "
-                f"in {self.seconds:.3f} s"
-                + (f" over {self.steps_in_flight} steps" if self.steps_in_flight else ""))
-
-    def summary(self) -> dict:
-        """JSON-ready figures of this rebalance (no placement)."""
-        return {
-            "step": self.step, "trigger": self.trigger, "outcome": self.outcome,
-            "skipped": self.skipped, "skip_reason": self.skip_reason,
-            "balancedness_before": float(np.mean(self.balancedness_before)),
-            "balancedness_after": float(np.mean(self.balancedness_after)),
-            "predicted_gain": self.predicted_gain, "min_gain": self.min_gain,
-            "experts_moved": self.experts_moved, "local_copies": self.local_copies,
-            "slots_changed": self.slots_changed, "bytes_moved": self.bytes_moved,
-            "seconds_plan": self.seconds_plan, "seconds_transfer": self.seconds_transfer,
-            "seconds_commit": self.seconds_commit, "steps_in_flight": self.steps_in_flight,
-            "seconds_step_loop": self.seconds_step_loop,
-            "max_step_loop_seconds": self.max_step_loop_seconds,
-            "seconds_agree_wait": self.seconds_agree_wait,
-        }
 
 
 class EplbRuntime:
@@ -198,7 +128,7 @@ class EplbRuntime:
         if self.replica_weights_supported:
             model.set_eplb_replica_weights(self.logical_replica_cdf)
         self.expert_weights = [list(w) for w in model.expert_weights]  # L lists of [S, ...] tensors
-        problem = self._expert_weights_problem(S)  # this rank's; all ranks agree below
+        problem = expert_weights_problem(model, self.expert_weights, S)  # this rank's; all ranks agree below
 
         self.recorder = LoadRecorder(L, N, self.world_size, S, self.config.window_size, self.device)
         self.steps = 0
@@ -214,7 +144,8 @@ class EplbRuntime:
         self.groups = groups if groups is not None else EplbGroups.create(
             group, self.config.transfer_timeout, device=self.device)
         try:
-            self._check_registration(problem)  # collective: every rank raises alike
+            check_registration(problem, self.expert_weights, self.placement, self.rank,
+                               self.world_size, self.device, self.groups.plan)  # collective
         except ValueError:
             self._retire_groups()
             raise
@@ -232,10 +163,11 @@ class EplbRuntime:
         self._side_stream = None
         if self.device.type == "cuda" and self.config.async_rebalance:
             self._side_stream = torch.cuda.Stream(self.device)
-        self._planner: PlannerProcess | None = None  # rank 0, asynchronous mode
-        if self.rank == 0 and self.config.async_rebalance:
-            self._planner = self._start_planner_process() if self.config.planner_process else None
-            self._warm_up_planner()
+        # rank 0 plans (in a child process in asynchronous mode), every rank gets the plan
+        self.planner = Rank0Planner(self.config, self.world_size, model.num_expert_groups, self.rank,
+                                    use_process=self.config.async_rebalance and self.config.planner_process)
+        if self.config.async_rebalance:
+            self.planner.warm_up(self.placement)
         self._move_options = MoveOptions(
             verify=self.config.verify_transfers, timeout=self.config.transfer_timeout,
             launch=self.config.exchange_launch, num_nodes=self.config.num_nodes)
@@ -250,36 +182,6 @@ class EplbRuntime:
             self.apply_placement(target, trigger="initial")
 
     # ---- set-up helpers ----------------------------------------------------------
-    def _start_planner_process(self) -> PlannerProcess | None:
-        """The child process rank 0 plans in (asynchronous mode), or None to plan in the
-        rebalance thread: when the policy was registered at run time (unknown in the
-        child) or the child cannot start."""
-        try:
-            planner = PlannerProcess()
-            if planner.can_plan(self.config.policy):
-                return planner
-            planner.close()
-            log.info("eplb: policy %r is not built in: planning in the rebalance thread",
-                     self.config.policy)
-        except (OSError, PlannerProcessError) as e:
-            log.warning("eplb: the planner process did not start (%s): planning in the "
-                        "rebalance thread", e)
-        return None
-
-    def _plan(self, load: np.ndarray) -> Placement:
-        """Rank 0's planning call: in the planner process when there is one."""
-        fn = self._planner.plan if self._planner is not None else plan
-        return fn(load, self.world_size, self.placement.num_slots, self.config.num_nodes,
-                  self.model.num_expert_groups, self.config.policy, previous=self.placement,
-                  move_tolerance=self.config.move_tolerance, weighted=self.config.weighted_replicas)
-
-    def _warm_up_planner(self) -> None:
-        """Plan once on a uniform load, now: the first plan of a process pays for imports
-        and first-call costs (tens of ms of Python holding the GIL), which would otherwise
-        land in the first rebalance and, in the thread, delay the steps served beside it."""
-        L, N = self.placement.num_layers, self.placement.num_logical_experts
-        self._plan(np.ones((L, N)))
-
     @staticmethod
     def _find_device(model) -> torch.device:
         for w in getattr(model, "expert_weights", None) or []:
@@ -289,94 +191,6 @@ class EplbRuntime:
             for p in model.parameters():
                 return p.device
         return torch.device("cpu")
-
-    def _expert_weights_problem(self, S: int) -> str | None:
-        """What is wrong with this rank's registered expert tensors, or None: one list of
-        tensors per MoE layer, each `[S, ...]`, sharing memory with the tensors the layer
-        itself returns (`get_expert_weights`, when the layer has it)."""
-        L = self.model.num_moe_layers
-        if len(self.expert_weights) != L:
-            return (f"model.expert_weights has {len(self.expert_weights)} layers after "
-                    f"set_eplb_state, expected num_moe_layers={L}")
-        for i, ws in enumerate(self.expert_weights):
-            if not ws:
-                return f"expert_weights[{i}] holds no tensor: register the layer's expert tensors"
-            for j, t in enumerate(ws):
-                if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != S:
-                    shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                    return (f"expert_weights[{i}][{j}] has shape {shape}; dim 0 must be the "
-                            f"local slot count num_local_physical_experts={S} (one row per "
-                            f"slot this rank holds)")
-        layers = list(self.model.moe_layers)
-        if len(layers) != L:
-            return None
-        for i, (layer, ws) in enumerate(zip(layers, self.expert_weights)):
-            get = getattr(layer, "get_expert_weights", None)
-            if not callable(get):
-                continue
-            used = {u.untyped_storage().data_ptr() for u in get()}
-            for j, t in enumerate(ws):
-                if t.untyped_storage().data_ptr() not in used:
-                    return (f"expert_weights[{i}][{j}] shares no memory with the tensors "
-                            f"moe_layers[{i}].get_expert_weights() returns: the runtime would "
-                            f"move weights the layer never reads; register the layer's own "
-                            f"tensors (or views of them), not copies")
-        return None
-
-    def _check_registration(self, problem: str | None) -> None:
-        """Raise the same ValueError on every rank when any rank's expert tensors do not
-        fit (`problem`) or when replicas of one expert are not bitwise equal in the
-        start-up layout (slot p holds expert p mod N). Collective over the plan group:
-        one all_gather of [2] ints, then one of per-slot checksums [L, S, T] int64 (only
-        when some expert has replicas)."""
-        L, N, P = self.placement.num_layers, self.placement.num_logical_experts, self.placement.num_slots
-        M, S = self.world_size, P // self.world_size
-        T = 0 if problem else max(len(ws) for ws in self.expert_weights)  # tensors per layer
-        if M > 1:
-            heads = self._gather(torch.tensor([problem is not None, T], dtype=torch.int64))  # [M, 2]
-            bad = [r for r in range(M) if heads[r, 0]]
-            if bad and problem is None:
-                problem = (f"rank(s) {bad} registered expert weights that do not fit (see the "
-                           f"error there)")
-            elif not bad and len(set(heads[:, 1].tolist())) > 1:
-                problem = (f"ranks register different numbers of expert tensors per layer: "
-                           f"{heads[:, 1].tolist()} (rank by rank)")
-        if problem:
-            raise ValueError(f"EplbRuntime{f' (rank {self.rank})' if M > 1 else ''}: {problem}")
-        if P == N:  # no expert has a replica
-            return
-        mine = torch.zeros(L, S, T, dtype=torch.int64, device=self.device)  # [L, S, T]
-        for i, ws in enumerate(self.expert_weights):
-            for j, w in enumerate(ws):
-                mine[i, :, j] = slot_checksums([w]).to(self.device)  # [S]
-        mine = mine.cpu()
-        every = self._gather(mine) if M > 1 else mine[None]  # [M, L, S, T]
-        cs = every.permute(1, 0, 2, 3).reshape(L, P, T).numpy()  # [L, P, T]
-        mismatches = []  # (layer, expert, tensor, slots that differ from the expert's first)
-        for i in range(L):
-            for e in range(min(N, P - N)):  # experts with more than one replica
-                slots = np.arange(e, P, N)  # [replicas of e]
-                for j in range(T):
-                    differ = slots[cs[i, slots, j] != cs[i, e, j]]
-                    if differ.size:
-                        mismatches.append((i, e, j, differ.tolist()))
-        if mismatches:
-            i, e, j, differ = mismatches[0]
-            more = f" ({len(mismatches)} such mismatches in all)" if len(mismatches) > 1 else ""
-            raise ValueError(
-                f"EplbRuntime: replicas of one expert are not bitwise equal: layer {i}, "
-                f"expert {e}: tensor {j} (expert_weights[{i}][{j}]) of slot(s) {differ} "
-                f"(rank(s) {[p // S for p in differ]}) differs from slot {e} (rank {e // S})"
-                f"{more}. At start-up slot p must hold logical expert p mod N (N={N}, "
-                f"P={P} slots, rank r holds slots [r*S, (r+1)*S), S={S}), the layout of "
-                f"Placement.initial: fill the slots in that order, with the same weights for "
-                f"every replica, before creating the runtime")
-
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        """All ranks' `t` (CPU) stacked, over the plan group: [M, *t.shape]."""
-        parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(parts, t, group=self.groups.plan)
-        return torch.stack(parts)
 
     def add_listener(self, fn: Callable[[RebalanceEvent], None]) -> None:
         """Call `fn(event)` after every rebalance (the hook metrics attach to)."""
@@ -482,7 +296,7 @@ class EplbRuntime:
                 info.update(skipped=True, skip_reason=NO_LOAD, predicted_gain=0.0,
                             seconds_plan=time.perf_counter() - t0)
                 return self.placement
-            planned = self._plan_on_rank0_and_broadcast(info["load"])
+            planned = self.planner.plan(info["load"], self.placement, self.groups.plan)
             # the same decision on every rank: same broadcast plan, same all-reduced load
             move, info["predicted_gain"] = worth_moving(
                 self._realised(self.placement), self._realised(planned), info["load"],
@@ -512,22 +326,6 @@ class EplbRuntime:
             info["before"] = balancedness_of_gpu_loads(gpu.cpu().numpy())  # [L]
 
         return read
-
-    def _plan_on_rank0_and_broadcast(self, load: np.ndarray) -> Placement:
-        """Rank 0 plans, then one broadcast (CPU, the gloo plan group) gives every rank the
-        very same placement (eplb.runtime.plan_broadcast); a planning error on rank 0
-        fails every rank."""
-        L, P = self.placement.num_layers, self.placement.num_slots
-
-        def make():
-            planned = self._plan(load)
-            return planned.physical_to_logical, planned.shares
-
-        try:
-            p2l, shares = broadcast_arrays(make, [(L, P), (L, P)], self.groups.plan)
-        except PlanBroadcastError as e:
-            raise RuntimeError(str(e)) from None
-        return self.placement.with_physical_to_logical(p2l.astype(np.int64), self.config.policy, shares)
 
     def apply_placement(self, new: Placement, trigger: str = "api", *, wait: bool = True,
                         before: np.ndarray | None = None, load: np.ndarray | None = None,
@@ -575,9 +373,7 @@ class EplbRuntime:
         for change in self._stale:
             change.join(max(0.0, deadline - time.monotonic()))
         self._stale = [c for c in self._stale if c.thread_alive]
-        if self._planner is not None:
-            self._planner.close()
-            self._planner = None
+        self.planner.close()
         close_transport = getattr(self.transport, "close", None)
         if close_transport is not None:  # IPC: drop the mappings of the peers' tensors
             close_transport()
