@@ -1,7 +1,8 @@
 """Planned resize of the EP group (eplb.runtime.resize) and the model methods it uses.
 
-The pure plan is checked by simulating it on expert ids; the whole resize runs on real
-gloo ranks (4 -> 2 -> 4, and 2 -> 4 with idle ranks joining and P changing): afterwards
+The pure plan is checked by simulating it on expert ids and against a naive
+re-implementation; the whole resize runs on real gloo ranks (4 -> 2 -> 4, 2 -> 4 with
+idle ranks joining and P changing, 2 -> 1 -> 2 with a rank outside each): afterwards
 every slot holds its expert bitwise, the expert-parallel model equals the dense reference
 on every rank of the new group, and a rebalance inside the new group still works.
 Requests that cannot work fail with ValueError on every rank involved, and a valid
@@ -94,6 +95,65 @@ def test_plan_prefers_same_node_and_spreads_senders():
         holders = {p // 2 for p in range(8) if old[0, p] == e}
         if any(h // 2 == dr // 2 for h in holders):
             assert sr // 2 == dr // 2, (e, sr, dr)
+
+
+def _reference_plan(old, new, old_ranks, new_ranks, ranks_per_node):
+    """The resize plan written out naively, one layer at a time: per layer the network
+    rows (expert, sender, sender's old slot, receiver, new slot) sorted by (expert,
+    receiver), and the copy rows (rank, new slot, source slot, from a new slot)."""
+    S_old, S_new = old.shape[1] // len(old_ranks), new.shape[1] // len(new_ranks)
+    ring = max(old_ranks + new_ranks) + 1
+    node = (lambda r: 0) if ranks_per_node is None else (lambda r: r // ranks_per_node)
+    sends = {r: 0 for r in old_ranks}  # carried across layers
+    layers = []
+    for layer in range(old.shape[0]):
+        held = {r: old[layer, i * S_old:(i + 1) * S_old].tolist() for i, r in enumerate(old_ranks)}
+        copies, wanted, got = [], [], {}
+        for q, e in enumerate(new[layer].tolist()):
+            r, s = new_ranks[q // S_new], q % S_new
+            if e in held.get(r, []):
+                copies.append((r, s, held[r].index(e), False))
+            elif (r, e) in got:
+                copies.append((r, s, got[(r, e)], True))
+            else:
+                got[(r, e)] = s
+                wanted.append((e, r, s))
+
+        def candidates(e, r):
+            everyone = [h for h in old_ranks if e in held[h]]
+            return [h for h in everyone if node(h) == node(r)] or everyone
+
+        sender, left = {}, list(wanted)
+        while left:  # the scarcest pair first, to the least busy candidate, then the nearest
+            e, r, s = min(left, key=lambda t: (len(candidates(t[0], t[1])), t[0], t[1]))
+            left.remove((e, r, s))
+            h = min(candidates(e, r), key=lambda h: (sends[h], (h - r) % ring))
+            sends[h] += 1
+            sender[(e, r)] = h
+        rows = [(e, sender[(e, r)], held[sender[(e, r)]].index(e), r, s) for e, r, s in sorted(wanted)]
+        layers.append((rows, copies))
+    return layers
+
+
+def test_plan_matches_a_straightforward_reimplementation():
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        N, L, world = int(rng.integers(2, 10)), int(rng.integers(1, 4)), int(rng.integers(1, 9))
+        old_ranks, new_ranks = (sorted(rng.choice(world, int(rng.integers(1, world + 1)),
+                                                  replace=False).tolist()) for _ in range(2))
+        if old_ranks == new_ranks:
+            continue
+        P_old, P_new = ((-(-N // len(r)) + int(rng.integers(0, 3))) * len(r) for r in (old_ranks, new_ranks))
+        old, new = (np.stack([rng.permutation(np.concatenate([np.arange(N), rng.integers(0, N, P - N)]))
+                              for _ in range(L)]) for P in (P_old, P_new))
+        rpn = [None, 1, 2, 3][int(rng.integers(0, 4))]
+        rs = plan_resize(old, new, old_ranks, new_ranks, ranks_per_node=rpn)
+        for lp, (rows, copies) in zip(rs.layers, _reference_plan(old, new, old_ranks, new_ranks, rpn)):
+            got = list(zip(*(a.tolist() for a in (lp.recv_expert, lp.src_rank, lp.src_slot,
+                                                  lp.dst_rank, lp.dst_slot))))
+            assert got == rows, (old_ranks, new_ranks, rpn)
+            assert list(zip(lp.copy_rank.tolist(), lp.copy_dst.tolist(), lp.copy_src.tolist(),
+                            lp.copy_from_new.tolist())) == copies
 
 
 def test_plan_rejects_bad_requests():
@@ -346,6 +406,40 @@ def _idle_ranks_join_body(rank, world):
 
 def test_idle_ranks_join_and_slots_change():
     run_distributed(_idle_ranks_join_body, 4)
+
+
+def _one_rank_body(rank, world):
+    """World of 3: EP group {0, 1} shrinks to {1} (a one-rank group: no runtime groups on
+    any rank, rank 2 outside it all), then grows to {1, 2} (rank 0 outside it all)."""
+    from moe import DenseMoEModel, MoEModel
+
+    from eplb.runtime import EplbRuntime
+    from eplb.runtime.resize import resize_expert_parallel
+
+    device = device_for(rank)
+    args = _args(num_redundant_experts=0)  # P = 8
+    cfg = EplbConfig(num_redundant_experts=0, rebalance_interval=0)
+    g01 = dist.new_group([0, 1])
+    reference = DenseMoEModel(args, device=device)
+    model = MoEModel(args, group=g01 if rank < 2 else None, device=device)
+    runtime = EplbRuntime(model, cfg, group=g01) if rank < 2 else None
+    res = resize_expert_parallel(model, [0, 1], [1], runtime=runtime)
+    assert res.member == (rank == 1)
+    if rank == 1:
+        assert res.runtime.world_size == 1 and res.runtime.groups.transfer is None
+        _check_slots(args, res.runtime, device)
+        _check_outputs(args, model, reference, rank, device)
+    res = resize_expert_parallel(model, [1], [1, 2], runtime=res.runtime,
+                                 config=cfg if rank == 2 else None)
+    assert res.member == (rank > 0)
+    if rank > 0:
+        assert res.runtime.world_size == 2 and model.num_local_physical_experts == 4
+        _check_slots(args, res.runtime, device)
+        _check_outputs(args, model, reference, rank, device, runtime=res.runtime)
+
+
+def test_shrink_to_one_rank_and_grow_with_ranks_outside():
+    run_distributed(_one_rank_body, 3)
 
 
 def _bad_requests_body(rank, world):
