@@ -9,6 +9,9 @@ match by construction, with no negotiation round. `eplb.runtime.transfer` carrie
 
 Ranks here are *group-relative* (0 .. group size - 1). Slot `p` of a layer lives on rank
 `p // (P // num_ranks)`.
+
+A little over 400 lines: the per-rank plan, the sender choice and the in-place operations
+are one derivation from the same two rows, read best in one place.
 """
 from __future__ import annotations
 

@@ -1,0 +1,91 @@
+"""The package layout shows the architecture, and stays that way (issue 15): imports only
+go down (core <- runtime <- ops), every sub-package says what it is, long modules say why,
+no module reads torch's private state, and the old flat module paths still import."""
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "eplb"
+LAYERS = {"core": (), "runtime": ("eplb.core",), "ops": ("eplb.core", "eplb.runtime")}
+
+
+def _modules(sub: str):
+    return sorted((ROOT / sub).rglob("*.py"))
+
+
+def _eplb_imports(path: pathlib.Path) -> set[str]:
+    """Every `eplb...` module a file imports (static: top level and inside functions)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("eplb"))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("eplb"):
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)  # `from eplb import runtime`
+    return out
+
+
+@pytest.mark.parametrize("sub", sorted(LAYERS))
+def test_imports_only_go_down(sub):
+    allowed = ("eplb.protocol", f"eplb.{sub}") + LAYERS[sub]
+    bad = {}
+    for path in _modules(sub):
+        up = sorted(m for m in _eplb_imports(path)
+                    if m.startswith(("eplb.core", "eplb.runtime", "eplb.ops")) and not m.startswith(allowed))
+        if up:
+            bad[str(path.relative_to(ROOT))] = up
+    assert not bad, f"modules importing a higher layer: {bad}"
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("def g():\n    from eplb.ops.server import EplbServer\n")
+    assert "eplb.ops.server" in _eplb_imports(f)
+
+
+@pytest.mark.parametrize("sub", sorted(LAYERS))
+def test_every_sub_package_says_what_it_is(sub):
+    doc = ast.get_docstring(ast.parse((ROOT / sub / "__init__.py").read_text()))
+    assert doc and len(doc.split()) >= 30, f"eplb/{sub}/__init__.py needs a one-paragraph docstring"
+
+
+def test_long_modules_state_why():
+    long = {}
+    for path in ROOT.rglob("*.py"):
+        n = len(path.read_text().splitlines())
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if n > 420 and "lines" not in doc:
+            long[str(path.relative_to(ROOT))] = n
+    assert not long, f"modules over ~400 lines without a reason in their docstring: {long}"
+
+
+def test_no_private_torch_distributed_state():
+    bad = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+           if any(s in p.read_text() for s in ("distributed_c10d", "_world.", "pg_names"))]
+    assert not bad, f"modules reading torch's private distributed state: {bad}"
+
+
+@pytest.mark.parametrize("old,new", [("eplb.transfer", "eplb.runtime.transfer"),
+                                     ("eplb.server", "eplb.ops.server"),
+                                     ("eplb.placement", "eplb.core.placement"),
+                                     ("eplb.policy.deepseek", "eplb.core.policy.deepseek")])
+def test_old_module_paths_import_the_same_module_with_a_warning(old, new):
+    sys.modules.pop(old, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mod = importlib.import_module(old)
+    assert mod is importlib.import_module(new)
+    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
+
+
+def test_old_python_m_path_still_runs():
+    out = subprocess.run([sys.executable, "-m", "eplb.demo", "--help"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "usage" in out.stdout
