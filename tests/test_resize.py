@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from _dist import assert_same_on_every_rank, device_for, run_distributed
+from _faults import PolicySwitch
+from eplb import RebalanceError
 from eplb.core.config import EplbConfig
 from eplb.core.placement import Placement
 from eplb.core.planning import plan
@@ -305,7 +307,9 @@ def _round_trip_body(rank, world):
 
     device = device_for(rank)
     args = _args()
-    cfg = EplbConfig(num_redundant_experts=4, window_size=3, rebalance_interval=3)
+    switch = PolicySwitch.get("test-resize-switch")  # plans like "default" until armed
+    cfg = EplbConfig(num_redundant_experts=4, window_size=3, rebalance_interval=3,
+                     policy=switch.name)
     model = MoEModel(args, group=dist.group.WORLD, device=device)
     runtime = EplbRuntime(model, cfg)
     reference = DenseMoEModel(args, device=device)
@@ -349,6 +353,27 @@ def _round_trip_body(rank, world):
     _check_slots(args, rt, device)
     _check_outputs(args, model, reference, rank, device, steps=range(20, 27), runtime=rt)
     _check_slots(args, rt, device)
+    assert_same_on_every_rank(rt.physical_to_logical)
+
+    # A rebalance that fails on the grown group makes the runtime renew its plan and
+    # transfer groups, collectively over the members only. The members' histories of
+    # group creation differ here (ranks outside the shrunk group made fewer groups), so
+    # groups the members made alone would get different names and hang; the resize made
+    # spare groups on every world rank, and the renewal takes those. The next move then
+    # runs on the renewed groups.
+    spares = len(rt.groups.spares)
+    assert spares > 0
+    before = rt.placement
+    switch.arm(RuntimeError("planning failed on purpose"))
+    with pytest.raises(RebalanceError):
+        rt.rebalance()
+    switch.disarm()
+    assert rt.placement == before and len(rt.groups.spares) == spares - 1
+    rolled = np.roll(before.physical_to_logical, 1, axis=1)  # every rank's slots change
+    event = rt.apply_placement(before.with_physical_to_logical(rolled, before.policy))
+    assert event.experts_moved > 0
+    _check_slots(args, rt, device)
+    _check_outputs(args, model, reference, rank, device, steps=range(30, 33), runtime=rt)
     assert_same_on_every_rank(rt.physical_to_logical)
 
 

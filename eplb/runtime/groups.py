@@ -7,7 +7,8 @@ A runtime needs four groups over the same ranks (the EP group's):
 * `plan`: gloo, the rebalance thread's small CPU collectives (plan broadcast, checksum
   gathers), apart from the step loop's so the two threads never share a group;
 * `transfer`: the EP group's backend, the weight transfers, apart from the model's
-  collectives so a transfer never queues behind them.
+  collectives so a transfer never queues behind them;
+* `tokens`: gloo, the IPC transport's "slots settled" messages.
 
 `EplbGroups.create(ep, timeout)` builds them from the EP group (collective over its
 members); a caller that must control how groups are made (e.g. `eplb.runtime.resize`,
@@ -56,8 +57,11 @@ class EplbGroups:
     control: dist.ProcessGroup | None
     plan: dist.ProcessGroup | None
     transfer: dist.ProcessGroup | None
+    tokens: dist.ProcessGroup | None = None
     timeout: float = 300.0
     world_collective: bool = False
+    # spare (plan, transfer) pairs made with the others, taken by renew() first
+    spares: tuple = ()
 
     @property
     def size(self) -> int:
@@ -70,36 +74,45 @@ class EplbGroups:
     @classmethod
     def create(cls, ep: dist.ProcessGroup | None = None, timeout: float = 300.0, *,
                world_collective: bool = False, device: torch.device | None = None,
-               ranks: list[int] | None = None) -> "EplbGroups":
+               ranks: list[int] | None = None, spares: int = 0) -> "EplbGroups":
         """Build control, plan and transfer groups over the ranks of `ep` (None: the
         world). Collective over the members of `ep` (over the whole world with
         `world_collective`; non-members then get a value whose groups they must not use).
         The transfer group is warmed up (see `warm_up_transfer`) on `device` when it
         uses NCCL. `ranks`: the global ranks of `ep`, required on a non-member (it
-        cannot ask `ep`)."""
+        cannot ask `ep`). `spares`: extra (plan, transfer) pairs made now for `renew()`
+        (see there; resize asks for some, as its groups are made world-collectively)."""
         if not dist.is_initialized():
-            return cls(ep, None, None, None, timeout, world_collective)
+            return cls(ep, None, None, None, None, timeout, world_collective)
         ranks = group_ranks(ep) if ranks is None else sorted(ranks)
         if len(ranks) == 1:
-            return cls(ep, None, None, None, timeout, world_collective)
+            return cls(ep, None, None, None, None, timeout, world_collective)
         backend = dist.get_backend(ep) if dist.get_rank() in ranks else dist.get_backend()
         control = new_group(ranks, "gloo", 2 * timeout, world_collective)
         plan = new_group(ranks, "gloo", timeout, world_collective)
         transfer = new_group(ranks, backend, timeout, world_collective)
-        groups = cls(ep, control, plan, transfer, timeout, world_collective)
+        tokens = new_group(ranks, "gloo", timeout, world_collective)
+        pairs = tuple((new_group(ranks, "gloo", timeout, world_collective),
+                       new_group(ranks, backend, timeout, world_collective)) for _ in range(spares))
         if dist.get_rank() in ranks:
-            warm_up_transfer(transfer, device)
-        return groups
+            for t in (transfer, *(t for _, t in pairs)):
+                warm_up_transfer(t, device)
+        return cls(ep, control, plan, transfer, tokens, timeout, world_collective, pairs)
 
     def renew(self, device: torch.device | None = None) -> "EplbGroups":
         """Fresh plan and transfer groups (after an aborted rebalance whose operations may
-        still be pending on the old ones). Collective over the members (over the world
-        when these groups were made `world_collective`)."""
+        still be pending on the old ones). Collective over the members: a spare pair when
+        there is one, else new groups made by the members alone (torch names those from
+        the rank list and each member's count of registered groups, so members whose
+        histories of group creation differ, e.g. after a resize, need spares)."""
         if self.transfer is None:
             return self
+        if self.spares:
+            (plan, transfer), rest = self.spares[0], self.spares[1:]
+            return replace(self, plan=plan, transfer=transfer, spares=rest)
         ranks = group_ranks(self.ep)
-        plan = new_group(ranks, "gloo", self.timeout, self.world_collective)
-        transfer = new_group(ranks, dist.get_backend(self.ep), self.timeout, self.world_collective)
+        plan = new_group(ranks, "gloo", self.timeout)
+        transfer = new_group(ranks, dist.get_backend(self.ep), self.timeout)
         warm_up_transfer(transfer, device)
         return replace(self, plan=plan, transfer=transfer)
 

@@ -62,7 +62,7 @@ class IpcTransport:
 
     def __init__(self, expert_weights: Sequence[Sequence[torch.Tensor]], group=None,
                  timeout: float | None = None, *, hold: bool = True,
-                 hold_chunk_bytes: int = DEFAULT_HOLD_CHUNK_BYTES) -> None:
+                 hold_chunk_bytes: int = DEFAULT_HOLD_CHUNK_BYTES, cpu_group=None) -> None:
         import socket
 
         import torch.distributed as dist
@@ -131,11 +131,14 @@ class IpcTransport:
         self.hold_chunk_bytes = hold_chunk_bytes
         self._can_move = self.hold is not None  # the same verdict on every rank
         self.moves = 0  # layers moved in place so far (`move` calls with work)
-        from eplb.runtime.control import new_group_like
-
         # the "slots settled" tokens: CPU messages, so a background exchange launches no
-        # NCCL kernel (`timeout`: how long a token may take before the exchange fails)
-        self._cpu_group = new_group_like(group, "gloo", timeout)
+        # NCCL kernel (`timeout`: how long a token may take before the exchange fails);
+        # on `cpu_group` (gloo, same ranks: the runtime passes EplbGroups.tokens) or a new one
+        if cpu_group is None:
+            from eplb.runtime.control import new_group_like
+
+            cpu_group = new_group_like(group, "gloo", timeout)
+        self._cpu_group = cpu_group
 
     @staticmethod
     def _open(handle, device_index: int) -> torch.Tensor:

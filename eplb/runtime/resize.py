@@ -300,7 +300,8 @@ def resize_expert_parallel(model, old_ranks: Sequence[int], new_ranks: Sequence[
     cfg = config if config is not None else getattr(runtime, "config", None)
     device = _device_of(model)
     groups = EplbGroups.create(new_group, cfg.transfer_timeout if cfg is not None else 300.0,
-                               world_collective=True, device=device, ranks=list(new_ranks))
+                               world_collective=True, device=device, ranks=list(new_ranks),
+                               spares=2)  # renew() after an aborted rebalance takes these
     if me not in union:
         return ResizeResult(False, None, None, None, old_ranks, new_ranks,
                             num_physical_experts or 0, 0, 0, 0, time.perf_counter() - t0)
@@ -313,7 +314,8 @@ def resize_expert_parallel(model, old_ranks: Sequence[int], new_ranks: Sequence[
             plans = _plan(rq, sizes, new_cfg)
             received = _move(rq, sizes, plans)
         except BaseException:  # the new group never served: drop it and its groups
-            _destroy(groups.control, groups.plan, groups.transfer, new_group)
+            _destroy(groups.control, groups.plan, groups.transfer, groups.tokens,
+                     *sum(groups.spares, ()), new_group)
             raise
         return _new_runtime(rq, sizes, new_cfg, plans, received)
     finally:

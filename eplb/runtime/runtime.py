@@ -156,7 +156,7 @@ class EplbRuntime:
         # collective (IPC: every rank maps its peers' expert tensors once)
         self.transport = transport if transport is not None else make_transport(
             self.config.transport if self.world_size > 1 else "nccl", self.expert_weights,
-            self.groups.transfer, timeout=self.config.transfer_timeout)
+            self.groups.transfer, timeout=self.config.transfer_timeout, cpu_group=self.groups.tokens)
         # the rebalance thread's side stream, made here: the first stream a process makes
         # sets up torch's stream pool, which would otherwise hold the GIL inside the step
         # that starts the first rebalance
@@ -428,8 +428,9 @@ class EplbRuntime:
         destroyed at exit, not now (see _RETIRED_GROUPS)."""
         if self._owns_groups and dist.is_initialized():
             g = self.groups
-            _RETIRED_GROUPS.extend(x for x in (g.transfer, g.plan, g.control) if x is not None)
-        self.groups = EplbGroups(self.group, None, None, None, self.config.transfer_timeout)
+            _RETIRED_GROUPS.extend(x for x in (g.transfer, g.plan, g.control, g.tokens, *sum(g.spares, ()))
+                                   if x is not None)
+        self.groups = EplbGroups(self.group, None, None, None, None, self.config.transfer_timeout)
 
     @property
     def _maps(self) -> tuple[torch.Tensor, ...]:

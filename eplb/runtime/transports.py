@@ -349,7 +349,8 @@ def weights_key(weights: Sequence[torch.Tensor]) -> tuple:
 
 
 def make_transport(kind: str = "auto", expert_weights: Sequence[Sequence[torch.Tensor]] | None = None,
-                   group=None, *, chunk_bytes: int | None = None, timeout: float | None = None):
+                   group=None, *, chunk_bytes: int | None = None, timeout: float | None = None,
+                   cpu_group=None):
     """A transport for `exchange_layer(..., transport=...)`.
 
     `kind`: "nccl" (point-to-point over the group's backend: NCCL on GPUs, gloo on CPU,
@@ -358,7 +359,8 @@ def make_transport(kind: str = "auto", expert_weights: Sequence[Sequence[torch.T
     `AUTO_PREFERS_IPC`, else "nccl"). "ipc" and "auto" are collective over `group`
     (call on every rank, once, with every layer's weights: the weights are registered).
     `timeout`: seconds the IPC transport's CPU tokens may wait for a peer (None: the default
-    of torch.distributed).
+    of torch.distributed). `cpu_group`: the gloo group (same ranks as `group`) the IPC
+    transport sends its tokens on (None: it makes one, collective over `group`).
     """
     if kind not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {kind!r}")
@@ -379,13 +381,13 @@ def make_transport(kind: str = "auto", expert_weights: Sequence[Sequence[torch.T
         if not all(votes):
             return p2p
         try:
-            return IpcTransport(expert_weights, group, timeout)
+            return IpcTransport(expert_weights, group, timeout, cpu_group=cpu_group)
         except RuntimeError as e:  # raised on every rank alike
             import logging
 
             logging.getLogger("eplb.runtime.transfer").info("auto transport: NCCL (%s)", e)
             return p2p
-    return IpcTransport(expert_weights, group, timeout)
+    return IpcTransport(expert_weights, group, timeout, cpu_group=cpu_group)
 
 
 def resolve_transport(transport):
