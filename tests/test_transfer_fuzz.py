@@ -10,7 +10,8 @@ transition, on every rank: every local slot of every layer equals bitwise its ex
 reference weights (`moe.expert_weights_for`), the routing maps equal the weights
 (`check_routing_maps`: physical_to_logical, logical_to_physical_map,
 logical_replica_count) and the placement asked for, the replica cdf equals the
-placement's shares, and storage never moves (`data_ptr`). Asynchronously the same holds
+placement's shares, every rank holds the same maps, and storage never moves
+(`data_ptr`). Asynchronously the same holds
 after every step, every rank's maps are compared with every other rank's after every
 step, and at most one layer switches per step. Every SAMPLE_EVERY-th transition the
 model's outputs are compared with the dense reference (mid-flight too, asynchronously).
@@ -237,8 +238,8 @@ def _fuzz_runs(rank: int, world: int, runs: list, N: int, S: int, times: list | 
             check_state(ref, runtime)
             check_target(runtime, p2l, shares)
             moved += int((runtime.physical_to_logical != before).any(1).sum())
+            same_maps_on_every_rank(runtime)
             if sample:
-                same_maps_on_every_rank(runtime)
                 check_outputs(args, model, dense, 7 + i, device)
             done += 1
             kinds_seen.update(kinds)
