@@ -1,8 +1,9 @@
 """An asynchronous change that changes no layer must finish at the same step on every rank.
 
-`PlacementChange.finished` is `layers is not None and committed == len(layers)`: for a
-change with no changed layer that turns true as soon as *this rank's* background thread
-has planned, which is not agreed. A rank whose thread planned before the second step
+`PlacementChange.finished` used to be `layers is not None and committed == len(layers)`:
+for a change with no changed layer that turned true as soon as *this rank's* background
+thread had planned, which is not agreed (fixed: it now also needs an agreement that every
+rank has planned). A rank whose thread planned before the second step
 boundary stops, while a rank whose thread had not starts another pipelined agreement
 that nobody joins: it waits for the control group's timeout and fails fatally (found by
 the asynchronous fuzz in `tests/test_transfer_fuzz.py -m slow`, "failed after 0 of 0
@@ -67,8 +68,5 @@ def _body(rank, world):
     runtime.close()
 
 
-@pytest.mark.xfail(strict=True, reason="runtime bug, reported 2026-12-01: a change with no "
-                   "changed layer finishes on each rank's own planning, not at an agreed step "
-                   "(PlacementChange.finished); remove this marker with the fix")
 def test_async_change_with_no_changed_layer_finishes_together():
     run_distributed(_body, 2, timeout=90)

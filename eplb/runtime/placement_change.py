@@ -181,6 +181,7 @@ class PlacementChange:
         self.new: Placement | None = None
         self.layers: list[int] | None = None  # changed layers, in order (same on every rank)
         self.ready = -1  # -1 until planned, then layers staged so far
+        self._all_planned = False  # an agreement said every rank has planned
         self.prepared = 0  # layers whose exchange the thread has prepared (launch in step)
         self.launched = 0  # layers whose exchange advance() launched (launch in step)
         self.committed = 0  # layers switched so far
@@ -217,8 +218,10 @@ class PlacementChange:
     # ---- state -------------------------------------------------------------------
     @property
     def finished(self) -> bool:
-        """Every changed layer switched (same verdict on every rank)."""
-        return self.layers is not None and self.committed == len(self.layers)
+        """Every changed layer switched, and every rank knows that every rank planned (the
+        same verdict on every rank, at the same step: a change with no changed layer must
+        not finish on one rank's own planning while another rank still plans)."""
+        return self._all_planned and self.layers is not None and self.committed == len(self.layers)
 
     @property
     def switched_layers(self) -> list[int]:
@@ -310,6 +313,8 @@ class PlacementChange:
                 f"rebalance lost contact with its peers after {self.committed} switched layers "
                 f"({type(e).__name__}: {e}); a rank died or stopped answering") from e
         min_ready, min_prepared, all_ok, failed_rank = agreed
+        if min_ready >= 0:  # every rank has planned (ready is -1 until then)
+            self._all_planned = True
         if not all_ok:
             self._stop_thread()
             self.aborted = True
