@@ -12,7 +12,7 @@ pytest fails (exit status other than 0 and 5, "no tests collected"); a snippet t
 found exactly once is an error of the list (exit status 2). Prints a table
 mutation | caught? | seconds and exits 1 if any mutation survived.
 
-    .venv/bin/python .ci/mutation_check.py              # all mutations (about 10 min on 2 cores)
+    .venv/bin/python .ci/mutation_check.py              # all mutations (about 3 min on 2 cores)
     .venv/bin/python .ci/mutation_check.py --list       # names, files (snippets checked)
     .venv/bin/python .ci/mutation_check.py --only watchdog_disabled --baseline
 
