@@ -116,6 +116,12 @@ MUTATIONS = [
         ("tests/test_runtime.py::test_failure_mid_transfer_leaves_every_layer_old_or_new",),
         "after an abort the placement forgets the layers that did switch"),
     Mutation(
+        "finish_without_agreed_planning", ("eplb.runtime.placement_change",),
+        "        return self._all_planned and self.layers is not None and self.committed == len(self.layers)\n",
+        "        return self.layers is not None and self.committed == len(self.layers)\n",
+        ("tests/test_mover_empty_change.py",),
+        "a change with no changed layer finishes on this rank's own planning (not agreed)"),
+    Mutation(
         "abort_only_where_it_failed", ("eplb.runtime.placement_change",),
         "        if not all_ok:\n",
         "        if not all_ok and self.error is not None:\n",
