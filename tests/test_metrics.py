@@ -116,20 +116,6 @@ def broken_rebalances(rt: EplbRuntime):
         rt.transport.faults.remove(fault)
 
 
-def break_rebalances(monkeypatch) -> None:
-    """For tests/test_server.py, whose job builds its runtime itself: from now on (undone
-    by `monkeypatch`) every rebalance fails: planning and every layer's exchange raise
-    "transfer failed". Tests in this file use `broken_rebalances` (injected objects)."""
-    import eplb.runtime.plan_broadcast
-    import eplb.runtime.transfer
-
-    def boom(*args, **kwargs):
-        raise RuntimeError("transfer failed")
-
-    monkeypatch.setattr(eplb.runtime.transfer, "exchange_layer", boom)
-    monkeypatch.setattr(eplb.runtime.plan_broadcast, "plan", boom)  # rank 0 plans there
-
-
 def test_names_types_and_labels_exactly():
     rt = make_runtime()
     m = EplbMetrics(rt, interval=1, per_expert_replicas=True, per_layer_gpu_load=True)

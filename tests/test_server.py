@@ -26,7 +26,7 @@ from _dist import free_port
 from eplb.ops.cli import main
 from eplb.ops.metrics import EplbMetrics
 from eplb.ops.server import EplbServer, load_token
-from test_metrics import break_rebalances, make_runtime, skewed_pass
+from test_metrics import breakable_policy, breakable_transport, broken_rebalances, make_runtime, skewed_pass
 
 TOKEN = "test-token-0123456789"
 DEADLINE = 10.0  # seconds any bounded wait in this file may take at most
@@ -37,7 +37,9 @@ class Job:
 
     def __init__(self, token: str | None = TOKEN, step_loop: bool = True,
                  server_kw: dict | None = None, **config):
-        self.runtime = make_runtime(**{"control_interval": 2, **config})
+        # rebalances can be made to fail through the objects it is given (broken_rebalances)
+        self.runtime = make_runtime(**{"control_interval": 2, "transport": breakable_transport(),
+                                       "policy": breakable_policy(), **config})
         self.metrics = EplbMetrics(self.runtime, interval=2)
         self.server = EplbServer(self.runtime, self.metrics, port=0, token=token,
                                  **(server_kw or {})).start()
@@ -182,11 +184,11 @@ def test_post_with_token_rebalances(job):
     assert job.errors == []
 
 
-def test_failed_rebalance_is_reported(job, monkeypatch):
-    break_rebalances(monkeypatch)
-    status, _, d = post_rebalance(job.server)
-    assert status == 202
-    failed = wait_state(job.server, d["id"])
+def test_failed_rebalance_is_reported(job):
+    with broken_rebalances(job.runtime):
+        status, _, d = post_rebalance(job.server)
+        assert status == 202
+        failed = wait_state(job.server, d["id"])
     assert failed["state"] == "failed" and "transfer failed" in failed["error"]
     samples = scrape(job.server)
     assert samples[("eplb_rebalances_total", (("outcome", "failure"), ("trigger", "request")))] == 1
@@ -307,8 +309,8 @@ def test_trigger_cli(job, capsys, tmp_path, monkeypatch):
     code, _, err = run_cli(["trigger", "127.0.0.1:9400", "--token", TOKEN], capsys)
     assert code == 2 and "http://" in err
     # a failed rebalance: exit 1 with the reason
-    break_rebalances(monkeypatch)
-    code, out, err = run_cli(["trigger", url, "--token", TOKEN, "--wait", str(DEADLINE)], capsys)
+    with broken_rebalances(job.runtime):
+        code, out, err = run_cli(["trigger", url, "--token", TOKEN, "--wait", str(DEADLINE)], capsys)
     assert code == 1 and out.splitlines()[1].startswith("failed at step ") and "transfer failed" in out
 
 
