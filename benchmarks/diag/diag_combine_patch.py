@@ -9,7 +9,7 @@ this process only (the code under test is not changed):
   * gate weights applied in the model dtype, `(y * w).sum(1)` (transformers'
     grouped_mm does this), instead of `weighted_sum`'s float32 copy of [T, K, H].
 
-    python3 benchmarks/results/2026-12-01-h200-hf/diag_combine_patch.py
+    python3 benchmarks/diag/diag_combine_patch.py
 """
 import copy
 import sys
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import hf_throughput as hb  # noqa: E402

@@ -68,7 +68,7 @@ def cases(n_random, seed=0):
             rand_prev = np.take_along_axis(rand_prev, np.argsort(rng.random((L, P)), 1), 1)
         yield f"random {i} {SHAPES[i % len(SHAPES)]} prev={prev_kind} tol={tol} w={weighted}", \
             (w, drift, M, P, k, G, prev_kind, rand_prev, tol, weighted)
-    root = os.path.join(os.path.dirname(__file__), "../../../../shared/traces/npy")
+    root = os.path.join(os.path.dirname(__file__), "../../../shared/traces/npy")
     for f in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         if not f.endswith(".npy"):
             continue

@@ -2,7 +2,7 @@
 moe.hf expert-parallel wrapper's overhead at W=1 goes, and the bf16 noise floor of the
 logits check.
 
-    python3 benchmarks/results/2026-12-01-h200-hf/diag_ep_overhead.py
+    python3 benchmarks/diag/diag_ep_overhead.py
 
 1. prefill time (8 x 512 tokens, logits_to_keep=1) of the original model and of
    expert_parallel(model, 0) (group None), with the host time of the forward call;
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import hf_throughput as hb  # noqa: E402
