@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from _dist import assert_same_on_every_rank, device_for, run_distributed
 from _faults import PolicySwitch
-from eplb import RebalanceError
+from eplb import EplbFatalError, RebalanceError
 from eplb.core.config import EplbConfig
 from eplb.core.placement import Placement
 from eplb.core.planning import plan
@@ -375,6 +375,19 @@ def _round_trip_body(rank, world):
     _check_slots(args, rt, device)
     _check_outputs(args, model, reference, rank, device, steps=range(30, 33), runtime=rt)
     assert_same_on_every_rank(rt.physical_to_logical)
+    # the second failure takes the last spare; with none left, a third is fatal with a
+    # clear reason instead of making members-only groups that could hang
+    in_force = rt.placement.physical_to_logical.copy()  # [L, P]
+    switch.arm(RuntimeError("planning failed on purpose"))
+    with pytest.raises(RebalanceError) as second:
+        rt.rebalance()
+    assert not isinstance(second.value, EplbFatalError) and len(rt.groups.spares) == spares - 2 == 0
+    with pytest.raises(EplbFatalError, match="no spare process groups left"):
+        rt.rebalance()
+    switch.disarm()
+    with pytest.raises(EplbFatalError):
+        rt.step()  # the job must stop
+    assert np.array_equal(rt.placement.physical_to_logical, in_force)  # nothing moved
 
 
 def test_shrink_4_to_2_and_grow_back():

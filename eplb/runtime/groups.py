@@ -24,7 +24,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["EplbGroups", "group_ranks"]
+__all__ = ["EplbGroups", "NoSpareGroups", "group_ranks"]
+
+
+class NoSpareGroups(RuntimeError):
+    """`renew()` on groups made on every rank of the world, with no spare left: groups the
+    members made alone could get different names on different members and hang."""
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
@@ -104,12 +109,18 @@ class EplbGroups:
         still be pending on the old ones). Collective over the members: a spare pair when
         there is one, else new groups made by the members alone (torch names those from
         the rank list and each member's count of registered groups, so members whose
-        histories of group creation differ, e.g. after a resize, need spares)."""
+        histories of group creation differ, e.g. after a resize, need spares). Groups made
+        `world_collective` with no spare left raise NoSpareGroups instead of risking that."""
         if self.transfer is None:
             return self
         if self.spares:
             (plan, transfer), rest = self.spares[0], self.spares[1:]
             return replace(self, plan=plan, transfer=transfer, spares=rest)
+        if self.world_collective:
+            raise NoSpareGroups(
+                "no spare process groups left (these were made on every rank of the world, "
+                "e.g. by a resize, and groups the members made alone could hang): resize "
+                "again or restart the job to get fresh ones")
         ranks = group_ranks(self.ep)
         plan = new_group(ranks, "gloo", self.timeout)
         transfer = new_group(ranks, dist.get_backend(self.ep), self.timeout)

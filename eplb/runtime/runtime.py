@@ -32,7 +32,7 @@ from eplb.core.transfer_plan import transfer_stats
 from eplb.protocol import MixtureOfExperts, missing_members, supports_replica_weights
 from eplb.runtime.control import RebalanceRequests, agree
 from eplb.runtime.events import NO_LOAD, RebalanceEvent
-from eplb.runtime.groups import EplbGroups
+from eplb.runtime.groups import EplbGroups, NoSpareGroups
 from eplb.runtime.placement_change import EplbFatalError, MoveOptions, PlacementChange, RebalanceError
 from eplb.runtime.plan_broadcast import Rank0Planner
 from eplb.runtime.recorder import LoadRecorder
@@ -467,7 +467,10 @@ class EplbRuntime:
             if change.thread_alive:
                 self._stale.append(change)
             if self.world_size > 1:  # ops of the aborted change may still be pending: fresh groups
-                self.groups = self.groups.renew(self.device)
+                try:
+                    self.groups = self.groups.renew(self.device)
+                except NoSpareGroups as e:  # the same verdict on every member
+                    out = self.fatal_error = EplbFatalError(f"{where}; {e}")
         log.error("%s (step %d)", out, self.steps)
         self.requests.finish(info["request_ids"], error=f"{type(out).__name__}: {out}")
         for fn in self._failure_listeners:
