@@ -494,7 +494,9 @@ def main(argv: list[str] | None = None) -> int:
         check_demo_arguments(a)
     except ValueError as e:
         if os.environ.get("RANK", "0") == "0":  # every rank fails alike: one message
-            print(f"eplb demo: error: {e}", file=sys.stderr)
+            print(f"eplb demo: error: {e}", file=sys.stderr, flush=True)
+        else:  # torchrun stops every rank once one exits: let rank 0 say why first
+            time.sleep(3.0)
         return 2
     if a.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
