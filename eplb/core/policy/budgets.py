@@ -21,7 +21,7 @@ PREV_WORK, PREV_ITERS = 250_000_000, (0, 80)  # moves from a previous placement:
 COUNT_WORK, COUNT_ITERS = 25_000_000, (0, 256)  # count-search steps: work / (R 4n p)
 EXACT_COUNTS_MAX = 20_000  # two slots per GPU: count vectors per row up to which the search is exhaustive
 EXACT_COUNTS_WORK = 50_000_000  # ... and item values over all rows (R x vectors x p) up to which it runs
-COUNT_MOVES_WORK = 100_000  # small problems: slots of all count-move candidates, at most
+COUNT_MOVES_WORK = 300_000  # small problems: slots of the count-move candidates of one step, at most
 SMALL = 8192  # R * p up to which a problem counts as small (full effort, every row)
 GOOD_ENOUGH = 5e-4  # large problems: rows with max/mean <= 1 + this are left as they are
 

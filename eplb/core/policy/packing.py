@@ -190,9 +190,9 @@ def repair_duplicates(w: np.ndarray, p2l: np.ndarray, m: int, cap_iters: int = 1
 
 
 def refill_hot(w: np.ndarray, p2l: np.ndarray, m: int, max_hot: int = 8) -> np.ndarray:
-    """When several GPUs hold one item at least as heavy as the mean GPU load (an expert
-    that cannot be split enough), the best they can do is share the lightest items of
-    the row: give the h(s-1) lightest items to those h GPUs, heaviest item first to the
+    """When one or several GPUs hold an item at least as heavy as the mean GPU load (an
+    expert that cannot be split enough), the best they can do is hold the lightest items
+    of the row: give the h(s-1) lightest items to those h GPUs, heaviest item first to the
     one with the lowest load (LPT over the fillers), and put their previous fillers where
     the light items were. Kept per row only if the max GPU load drops and no GPU gets two
     replicas of one expert. p2l [R, p] -> [R, p]."""
@@ -210,7 +210,7 @@ def refill_hot(w: np.ndarray, p2l: np.ndarray, m: int, max_hot: int = 8) -> np.n
     big = np.take_along_axis(x3, dom[..., None], -1)[..., 0]  # [R, m]
     hot = big >= mean
     h = hot.sum(1)
-    rows = np.nonzero(h >= 2)[0]
+    rows = np.nonzero(h >= 1)[0]
     if rows.size == 0:
         return p2l
     k = int(min(max_hot, h[rows].max(), max(2, 32 // (s - 1))))

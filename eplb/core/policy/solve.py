@@ -4,6 +4,9 @@ packing, pair exchanges, max-GPU moves, count search, hot refill) under the budg
 from __future__ import annotations
 
 import numpy as np
+import torch
+
+from eplb.core.policy import deepseek
 
 from eplb.core.policy.budgets import (COUNT_ITERS, COUNT_MOVES_WORK, COUNT_WORK, EXACT_COUNTS_MAX, EXACT_COUNTS_WORK,
                                  GOOD_ENOUGH, MAX2_WORK, MAX_ITERS, MAX_WORK, PAIR_ITERS, PAIR_WORK, SMALL,
@@ -11,7 +14,7 @@ from eplb.core.policy.budgets import (COUNT_ITERS, COUNT_MOVES_WORK, COUNT_WORK,
 from eplb.core.policy.packing import pack, pack_pairs, refill_hot, repair_duplicates
 from eplb.core.policy.refinement import improve_max, improve_pairs
 from eplb.core.policy.replicas import compositions, count_search_pairs, exact_counts_pairs, replica_counts
-from eplb.core.policy.rows import counts_of, max_load, take
+from eplb.core.policy.rows import argsort_rows, counts_of, has_duplicates, max_load, take
 
 
 def solve(w: np.ndarray, p: int, m: int, share: float = 1.0) -> np.ndarray:
@@ -59,39 +62,93 @@ def solve(w: np.ndarray, p: int, m: int, share: float = 1.0) -> np.ndarray:
         r = np.nonzero(max_load(w, p2l, m) > (1 + 1e-3) * mean)[0]  # rows not yet balanced
         if r.size:
             p2l[r] = count_moves(w[r], p2l[r], m, cap, COUNT_MOVES_WORK)
-    return refill_hot(w, p2l, m)
+    p2l = refill_hot(w, p2l, m)
+    if size <= SMALL and share >= 1:
+        p2l = keep_better(w, p2l, deepseek_rows(w, p, m), m)
+    return p2l
 
 
-def count_moves(w: np.ndarray, p2l: np.ndarray, m: int, cap: int, work: int) -> np.ndarray:
-    """One step of hill-climbing on replica counts, scored by real placements: every
-    move of one replica from an expert with several to another expert (all of them, in
-    every row) is packed, repaired and improved (a few pair exchanges and max-GPU moves);
-    a row takes its best candidate if that lowers its max GPU load. The max-GPU moves of
-    `improve_max` score count changes by a bound and only on the most loaded GPU, so they
-    miss moves whose gain appears only after re-packing. Skipped (p2l returned) when the
-    candidates hold more than `work` slots in all. w [R, n], p2l [R, p] -> [R, p]."""
+def deepseek_rows(w: np.ndarray, p: int, m: int) -> np.ndarray:
+    """DeepSeek EPLB's global placement of every row of w [R, n] (its replica counts and
+    its packing: heaviest replica first onto the lightest GPU with room), with any two
+    replicas of one expert on one GPU repaired and then improved by max-GPU moves: the
+    candidate that makes the planner never worse than `deepseek` where it is kept
+    (`keep_better`). A row where DeepSeek gives an expert more than m replicas keeps
+    duplicates (the repair cannot remove them); `keep_better` never takes such a row.
+    [R, n] -> p2l [R, p]."""
+    p2l, _, _ = deepseek.rebalance_experts(torch.tensor(w, dtype=torch.float64), p, 1, 1, m)  # [R, p]
+    p2l = repair_duplicates(w, p2l.numpy().astype(np.int64), m)
+    if p // m > 2:
+        p2l = improve_pairs(w, p2l, m, PAIR_ITERS[1])
+    p2l, _ = improve_max(w, p2l, m, m, budget=MAX_ITERS[1])
+    return p2l
+
+
+def keep_better(w: np.ndarray, p2l: np.ndarray, alt: np.ndarray, m: int) -> np.ndarray:
+    """Per row, `alt` where its max GPU load is lower than that of `p2l` and no GPU holds
+    two replicas of one expert, else `p2l` (both [R, p])."""
+    better = (max_load(w, alt, m) < max_load(w, p2l, m)) & ~has_duplicates(alt, m)  # [R]
+    return np.where(better[:, None], alt, p2l) if better.any() else p2l
+
+
+def count_moves(w: np.ndarray, p2l: np.ndarray, m: int, cap: int, work: int, steps: int = 3,
+                pool: int = 8) -> np.ndarray:
+    """Hill-climbing on replica counts, scored by real placements: every step tries moving
+    one replica from an expert a with several to another expert b, packs, repairs and
+    improves (a few pair exchanges and max-GPU moves) each candidate, and a row takes its
+    best candidate if that lowers its max GPU load; up to `steps` steps, while some row
+    gains. The max-GPU moves of `improve_max` score count changes by a bound and only on
+    the most loaded GPU, so they miss moves whose gain appears only after re-packing
+    (e.g. one replica fewer for each of two hot experts, so that no GPU holds two hot
+    replicas). Candidates per row: a among the `pool` heaviest experts with two replicas
+    or more, b among the `pool` experts with the heaviest replicas and the one with the
+    lightest replica after a split. A step is skipped when its candidates hold more than
+    `work` slots in all. w [R, n], p2l [R, p] -> [R, p]."""
     R, n = w.shape
     p = p2l.shape[1]
-    c = counts_of(p2l, n)  # [R, n]
-    a, b = np.nonzero(~np.eye(n, dtype=bool))  # [K] every move a -> b
-    ok = (take(c, np.broadcast_to(a, (R, a.size))) >= 2) & (take(c, np.broadcast_to(b, (R, b.size))) < cap)  # [R, K]
-    rr, kk = np.nonzero(ok)
-    if rr.size == 0 or rr.size * p > work:
-        return p2l
-    cand = c[rr].copy()  # [X, n]
-    cand[np.arange(rr.size), a[kk]] -= 1
-    cand[np.arange(rr.size), b[kk]] += 1
-    wc = w[rr]
-    pl = repair_duplicates(wc, pack(wc, cand, m), m)
-    if p // m > 2:
-        pl = improve_pairs(wc, pl, m, 8)
-    pl, _ = improve_max(wc, pl, m, cap, budget=10)
-    score = max_load(wc, pl, m)  # [X]
-    # best candidate per row: candidates are grouped by row (np.nonzero order)
-    order = np.lexsort((np.arange(rr.size), score, rr))  # by row, then score, then index
-    first = order[np.r_[True, rr[order][1:] != rr[order][:-1]]]  # [rows with candidates]
-    cur = max_load(w, p2l, m)
-    better = score[first] < cur[rr[first]] * (1 - 1e-12)
     out = p2l.copy()
-    out[rr[first][better]] = pl[first][better]
+    rows = np.arange(R)
+    for _ in range(steps):
+        if rows.size == 0:
+            break
+        wr, c = w[rows], counts_of(out[rows], n)  # [A, n]
+        A_ = rows.size
+        ka, kb = min(pool, n), min(pool, n)
+        multi = np.where(c >= 2, wr, -1.0)  # [A, n]
+        a_set = argsort_rows(np.maximum(multi, 0) + (c >= 2), descending=True)[:, :ka]  # [A, ka]
+        a_ok = take(c, a_set) >= 2
+        b_set = np.concatenate([argsort_rows(wr / c, descending=True)[:, :kb],
+                                argsort_rows(np.where(c < cap, wr / (c + 1), np.inf))[:, :1]], 1)  # [A, kb+1]
+        a = np.repeat(a_set, b_set.shape[1], 1)  # [A, K]
+        b = np.tile(b_set, (1, ka))
+        ok = np.repeat(a_ok, b_set.shape[1], 1) & (a != b) & (take(c, b) < cap)
+        # the same pair can appear twice (b in both parts of b_set): keep the first
+        key = a * n + b
+        srt = np.sort(key, 1)
+        dup = np.zeros_like(ok)
+        o = np.argsort(key, 1, kind="stable")
+        first = np.ones_like(ok)
+        first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+        np.put_along_axis(dup, o, ~first, 1)
+        ok &= ~dup
+        rr, kk = np.nonzero(ok)
+        if rr.size == 0 or rr.size * p > work:
+            break
+        ar = np.arange(rr.size)
+        cand = c[rr].copy()  # [X, n]
+        cand[ar, a[rr, kk]] -= 1
+        cand[ar, b[rr, kk]] += 1
+        wc = wr[rr]
+        pl = repair_duplicates(wc, pack(wc, cand, m), m)
+        if p // m > 2:
+            pl = improve_pairs(wc, pl, m, 2)
+        pl, _ = improve_max(wc, pl, m, cap, budget=10)
+        score = max_load(wc, pl, m)  # [X]
+        # best candidate per row: candidates are grouped by row (np.nonzero order)
+        order = np.lexsort((ar, score, rr))  # by row, then score, then index
+        best = order[np.r_[True, rr[order][1:] != rr[order][:-1]]]  # [rows with candidates]
+        cur = max_load(wr, out[rows], m)
+        better = score[best] < cur[rr[best]] * (1 - 1e-12)
+        out[rows[rr[best][better]]] = pl[best][better]
+        rows = rows[rr[best][better]]
     return out
