@@ -396,3 +396,26 @@ def test_rebalance_broadcasts_planned_shares(world):
             eplb.core.policy._REGISTRY.pop("_test_weighted", None)
     else:
         run_distributed(_rebalance_shares_body, world)
+
+
+def test_weighted_plan_with_one_expert_hotter_than_three_gpus_keeps_every_expert():
+    """Found by the cost replay (tests/test_scale.py): one expert with 80% of a layer's load
+    on 4 GPUs x 6 slots made the wrap-around chain leave 4 experts without a slot, and
+    `plan` raised 'expert 2 has no replica'."""
+    from eplb.core.planning import plan
+    load = np.array([  # two steps of tests/test_scale.py's skewed_trace, summed
+        [106.3653499239603, 8067.422671580791, 313.9889481599838, 234.49113312232146,
+         37.46674842998636, 49.93244744242675, 139.2238881863452, 113.62862125208166,
+         58.88902820889965, 197.5750859086701, 13.20067238163645, 64.03020937319012,
+         85.27479150283298, 105.12975147012669, 135.23022700832436, 50.238031877095175],
+        [12.496283926732055, 8180.243583117912, 204.8471145672049, 68.14772880893305,
+         28.547638384894405, 77.49802613210366, 33.90223267052844, 90.8222974328995,
+         201.05076551606464, 56.52054981341877, 23.56159022695989, 512.8529260046507,
+         138.53166121697876, 194.5587379825181, 50.26113224306347, 340.8783258204132]])
+    for nodes in (1, 2):
+        p = plan(load, 4, 24, num_nodes=nodes, weighted=True)
+        for layer in range(2):
+            assert set(p.physical_to_logical[layer].tolist()) == set(range(16))
+            per_expert = np.zeros(16)
+            np.add.at(per_expert, p.physical_to_logical[layer], p.slot_shares()[layer])
+            assert np.allclose(per_expert, 1.0)

@@ -238,7 +238,10 @@ def plan_shares(w: np.ndarray, p2l: np.ndarray, m: int, nodes: int, hierarchical
     b_p2l, b_shares = _chain_on_nodes(w, p2l, m, k, s, prev)
     a = gpu_sums(take(w, a_p2l) * a_shares, m).max(1)  # [L]
     b = gpu_sums(take(w, b_p2l) * b_shares, m).max(1)
-    use = b * (1 + (tol if prev is not None else 0.0)) < a * (1 - 1e-12)
+    # the chain's greedy order can fail when one expert outweighs several GPUs' targets: it
+    # then leaves experts without a slot, and such a row is never used
+    complete = (np.sort(b_p2l, 1)[:, None, :] == np.arange(N)[None, :, None]).any(-1).all(-1)  # [L]
+    use = complete & (b * (1 + (tol if prev is not None else 0.0)) < a * (1 - 1e-12))
     return np.where(use[:, None], b_p2l, a_p2l), np.where(use[:, None], b_shares, a_shares)
 
 
