@@ -159,6 +159,65 @@ def step_imbalance(loads: np.ndarray, placement: Placement) -> np.ndarray:  # [K
     return out
 
 
+@dataclass(frozen=True)
+class Block:
+    """Steps `[start, end)` served by `placement`, and the rebalance that put it in force."""
+
+    start: int
+    end: int
+    placement: Placement
+    previous: Placement  # the placement in force before `start`
+    record: RebalanceRecord | None = None  # None for oracle blocks
+
+
+def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], window: int,
+                  name: str, plan_kwargs: dict, decay: float = 1.0,
+                  min_gain: float = DEFAULT_MIN_GAIN, bytes_per_expert: int | None = None,
+                  progress: Callable[[], None] | None = None) -> list[Block]:
+    """Policy `name` replanning at each of `steps` on the last `window` steps of `trace
+    [T, L, N]` with the placement in force as `previous` (out of sample); one Block per
+    plan, skipped plans (gain below `min_gain`) keeping the placement in force."""
+    T = trace.shape[0]
+    M, P = initial.num_gpus, initial.num_slots
+    ends = list(steps[1:]) + [T]
+    blocks: list[Block] = []
+    current = initial
+    for s, e in zip(steps, ends):
+        load = window_load(trace, s, window, decay)  # [L, N]
+        t0 = time.perf_counter()
+        planned = plan(load, M, P, policy=name, previous=current, **plan_kwargs)
+        move, gain = worth_moving(current, planned, load, min_gain)
+        new = planned if move else current
+        seconds = time.perf_counter() - t0
+        st = transfer_stats(current.physical_to_logical, new.physical_to_logical, M, bytes_per_expert)
+        predicted = float(step_imbalance(load[None], new).mean())
+        record = RebalanceRecord(s, st.slots_changed, st.experts_moved, st.local_copies,
+                                 st.bytes_moved, seconds, predicted, gain, not move)
+        blocks.append(Block(s, e, new, current, record))
+        current = new
+        if progress:
+            progress()
+    return blocks
+
+
+def oracle_blocks(trace: np.ndarray, initial: Placement, steps: Sequence[int], name: str,
+                  plan_kwargs: dict, progress: Callable[[], None] | None = None) -> list[Block]:
+    """Policy `name` planning from scratch at each of `steps` on the very steps the plan
+    will serve (`[s, next s)`): perfect foresight, the bound on what prediction can give."""
+    T = trace.shape[0]
+    M, P = initial.num_gpus, initial.num_slots
+    ends = list(steps[1:]) + [T]
+    blocks: list[Block] = []
+    current = initial
+    for s, e in zip(steps, ends):
+        best = plan(trace[s:e].sum(0), M, P, policy=name, previous=None, **plan_kwargs)
+        blocks.append(Block(s, e, best, current))
+        current = best
+        if progress:
+            progress()
+    return blocks
+
+
 def simulate(
     trace: Any,
     num_gpus: int,
@@ -226,7 +285,6 @@ def simulate(
         raise ValueError(f"policy listed twice: {policies}")
 
     steps = rebalance_steps(T, interval, start)
-    ends = steps[1:] + [T]
     initial = Placement.initial(L, N, P, M, num_nodes)
     kw = dict(num_nodes=num_nodes, num_groups=num_groups, move_tolerance=float(move_tolerance),
               weighted=bool(weighted))
@@ -245,31 +303,17 @@ def simulate(
     for name in policies:
         scores = none_scores.copy()  # [T, L]; steps before `start` keep the start-up placement
         res = PolicyResult(name, scores, start, L * P)
-        current = initial
-        for s, e in zip(steps, ends):
-            load = window_load(trace, s, window, decay)  # [L, N]
-            t0 = time.perf_counter()
-            planned = plan(load, M, P, policy=name, previous=current, **kw)
-            move, gain = worth_moving(current, planned, load, min_gain)
-            new = planned if move else current
-            seconds = time.perf_counter() - t0
-            st = transfer_stats(current.physical_to_logical, new.physical_to_logical, M, bytes_per_expert)
-            predicted = float(step_imbalance(load[None], new).mean())
-            res.rebalances.append(RebalanceRecord(s, st.slots_changed, st.experts_moved,
-                                                  st.local_copies, st.bytes_moved, seconds, predicted,
-                                                  gain, not move))
-            scores[s:e] = step_imbalance(trace[s:e], new)
-            current = new
-            if progress:
-                progress()
+        for block in replay_policy(trace, initial, steps, window, name, kw, decay=decay,
+                                   min_gain=min_gain, bytes_per_expert=bytes_per_expert,
+                                   progress=progress):
+            res.rebalances.append(block.record)
+            scores[block.start:block.end] = step_imbalance(trace[block.start:block.end], block.placement)
         results[name] = res
         if oracle:
             o_scores = none_scores.copy()
-            for s, e in zip(steps, ends):
-                best = plan(trace[s:e].sum(0), M, P, policy=name, previous=None, **kw)
-                o_scores[s:e] = step_imbalance(trace[s:e], best)
-                if progress:
-                    progress()
+            for block in oracle_blocks(trace, initial, steps, name, kw, progress=progress):
+                o_scores[block.start:block.end] = step_imbalance(trace[block.start:block.end],
+                                                                 block.placement)
             oracles[name] = PolicyResult(f"oracle:{name}", o_scores, start, L * P)
     return SimulationResult(config, results, none, oracles)
 
