@@ -107,6 +107,18 @@ def _positive(name: str):
     return conv
 
 
+def _positive_list(name: str):
+    """'8' or '8,16,32' -> [8] or [8, 16, 32], each >= 1."""
+    one = _positive(name)
+
+    def conv(s: str) -> list[int]:
+        parts = [x for x in s.split(",") if x.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer or a comma-separated list, got {s!r}")
+        return [one(x.strip()) for x in parts]
+    return conv
+
+
 _DEMO_LIMITS = {"steps": 10**7, "layers": 1024, "experts": 4096, "num_redundant_experts": 4096, "hidden": 1 << 16,
                 "intermediate": 1 << 16, "tokens": 1 << 20, "trace_window": 10**6, "nproc": 1024}
 
@@ -357,6 +369,14 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     trace = aggregate_steps(raw, a.aggregate)  # [T // A, L, N]
     T, L, N = trace.shape
     dropped = raw.shape[0] - T * a.aggregate
+    if a.cost:
+        from eplb.ops.scale_report import run_cost
+        return run_cost(a, trace, a.trace if a.aggregate == 1 else f"{a.trace} (aggregate {a.aggregate})")
+    if len(a.num_gpus) != 1:
+        raise ValueError("--num-gpus lists several EP sizes only with --cost")
+    if a.num_slots is None:
+        raise ValueError("--num-slots is required (without --cost)")
+    a.num_gpus = a.num_gpus[0]
     start = a.start if a.start is not None else a.rebalance_interval
     n_plans = len(rebalance_steps(T, a.rebalance_interval, start)) * len(a.policy) * (1 if a.no_oracle else 2)
     bar = ProgressBar(n_plans, label="simulate") if n_plans >= 50 else None
@@ -481,9 +501,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "per layer. Also reports 'none' (start-up placement) and 'oracle' (planned on the "
                     "scored steps themselves).")
     sm.add_argument("trace", help="'esft' (packaged) or a .npy / .npz file holding [T, L, N] counts")
-    sm.add_argument("--num-gpus", type=_positive("--num-gpus"), required=True)
-    sm.add_argument("--num-slots", type=_positive("--num-slots"), required=True,
-                    help="physical slots per layer (N + redundant), divisible by --num-gpus")
+    sm.add_argument("--num-gpus", type=_positive_list("--num-gpus"), required=True,
+                    help="EP size (with --cost: one or several, comma-separated)")
+    sm.add_argument("--num-slots", type=_positive("--num-slots"), default=None,
+                    help="physical slots per layer (N + redundant), divisible by --num-gpus "
+                         "(required without --cost)")
     sm.add_argument("--window-size", "--window", action=Setting, type=_positive("--window-size"),
                     required=True, help="steps of load each plan sees (after --aggregate)")
     sm.add_argument("--rebalance-interval", "--interval", action=Setting,
@@ -515,6 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--json", metavar="FILE", help="write every figure (per step, per rebalance) to FILE")
     sm.add_argument("--plot", metavar="PNG", help="draw imbalance over time and moves per rebalance "
                                                   "(needs matplotlib: pip install 'eplb[plot]')")
+    from eplb.ops.scale_report import add_cost_arguments
+    add_cost_arguments(sm)
     sm.set_defaults(func=cmd_simulate)
     return p
 

@@ -1,0 +1,160 @@
+"""Expert work timed on a real GPU, for `eplb.core.scale` (`eplb simulate --cost gpu`).
+
+One virtual GPU's expert work is the grouped GEMM of its local slots with their token
+counts, run by the reference model's kernel (`moe.experts.GroupedExperts`, bf16,
+`torch._grouped_mm`) and timed with CUDA events. Timing every GPU of every step, layer
+and placement at EP 256 would take hours, so:
+
+1. a calibration measures one slot's GEMM at token counts on a log grid; the estimate of
+   a GPU's time is the sum over its slots with tokens of the interpolated single-slot
+   times (grouped GEMMs of several slots run their groups side by side, so the sum is an
+   upper bound: it ranks GPUs, it does not give the layer time);
+2. per layer, the GPUs whose estimate is within `margin` of the largest (at most
+   `max_measured` of them) are run for real; the layer's slowest time is the largest of
+   these measured times. The other GPUs keep their estimates (they only enter the
+   GPU-idle fraction), scaled by the layer's measured / estimated ratio.
+
+Identical work (the same sorted token counts, rounded up to `bucket` tokens) is measured
+once and cached. `stats()` says how many GEMMs ran, how many the cache served, and how far
+the estimates were from the measured times. On a CPU device (tests) the reference
+model's CPU path runs instead (`moe.experts.swiglu` per slot), timed with perf_counter.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from eplb.core.scale import ModelShape
+from moe.experts import swiglu
+
+
+class GpuGemmCost:
+    """`cost(shape, counts [L, M, S]) -> [L, M]` seconds, measured on `device`."""
+
+    def __init__(self, shape: ModelShape, max_slots: int, max_tokens: int, device: str = "cuda",
+                 bucket: int = 8, margin: float = 0.05, max_measured: int = 4, reps: int = 3,
+                 seed: int = 0) -> None:
+        from moe.experts import GroupedExperts  # the reference model's expert weights
+
+        if str(device).startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise RuntimeError("--cost gpu needs a CUDA GPU (torch.cuda.is_available() is False); "
+                                   "use --cost analytic on a machine without one")
+            if not hasattr(torch, "_grouped_mm"):
+                raise RuntimeError(f"--cost gpu needs torch._grouped_mm (torch {torch.__version__} "
+                                   "lacks it)")
+        self.shape, self.device = shape, torch.device(device)
+        self.bucket, self.margin, self.max_measured, self.reps = bucket, margin, max_measured, reps
+        H, I = shape.hidden, shape.intermediate
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.experts = GroupedExperts(max_slots, H, I, dtype=torch.bfloat16, device=self.device)
+        with torch.no_grad():  # small random weights: the kernel's time does not depend on values
+            for w in (self.experts.w13, self.experts.w2):
+                w.copy_((torch.randn(w.shape, generator=g) * 0.02).to(w.dtype))
+        self.max_tokens = max_tokens  # the calibration grid's top
+        self.x = self._tokens(max_tokens)  # [T', H]
+        self.cache: dict[tuple[int, ...], float] = {}
+        self.runs = self.hits = 0
+        self.errors: list[float] = []  # estimate / measured - 1, per measured GPU
+        self.grid, self.single = self._calibrate()
+
+    def _tokens(self, n: int) -> torch.Tensor:  # [n, H] bf16 activations
+        g = torch.Generator(device="cpu").manual_seed(n)
+        return (torch.randn(n, self.shape.hidden, generator=g) * 0.1).to(torch.bfloat16).to(self.device)
+
+    # ---- one measurement ------------------------------------------------------------
+    def measure(self, counts) -> float:
+        """Seconds of the grouped GEMM over slots with these token counts (cached)."""
+        c = np.asarray(counts, dtype=np.int64)
+        c = c[c > 0]
+        if c.size == 0:
+            return 0.0
+        key = tuple(sorted((-(-c // self.bucket) * self.bucket).tolist(), reverse=True))
+        if key in self.cache:
+            self.hits += 1
+            return self.cache[key]
+        if len(key) > self.experts.num_slots:
+            raise ValueError(f"work of {len(key)} slots exceeds the {self.experts.num_slots} slots "
+                             "this cost model holds")
+        if sum(key) > self.x.shape[0]:  # a hotter GPU than the buffer was sized for
+            self.x = self._tokens(max(sum(key), 2 * self.x.shape[0]))
+        self.cache[key] = t = self._time(key)
+        self.runs += 1
+        return t
+
+    def _time(self, key: tuple[int, ...]) -> float:
+        S = len(key)
+        sub = self.experts  # the first S slots' weights, no copy
+        w13, w2 = sub.w13[:S], sub.w2[:S]
+        counts = torch.tensor(key, dtype=torch.int64, device=self.device)
+        x = self.x[:int(sum(key))]
+        offs = counts.cumsum(0).to(torch.int32)
+
+        def run() -> torch.Tensor:  # GroupedExperts.forward_grouped_mm on the first S slots
+            gate_up = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)
+            gate, up = gate_up.chunk(2, dim=-1)
+            return torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+
+        def run_loop() -> None:  # GroupedExperts.forward_loop (the CPU path), first S slots
+            start = 0
+            for s, n in enumerate(key):
+                swiglu(x[start:start + n], w13[s], w2[s])
+                start += n
+
+        times = []
+        if self.device.type != "cuda":
+            run_loop()  # warm-up
+            for _ in range(self.reps):
+                t0 = time.perf_counter()
+                run_loop()
+                times.append(time.perf_counter() - t0)
+            return float(np.median(times))
+        run()  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(self.reps):
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        return float(np.median(times))
+
+    # ---- estimates ------------------------------------------------------------------
+    def _calibrate(self) -> tuple[np.ndarray, np.ndarray]:
+        hi = max(2, self.max_tokens)
+        grid = np.unique(np.round(np.geomspace(1, hi, 48)).astype(np.int64))  # [G]
+        grid = np.unique(-(-grid // self.bucket) * self.bucket)
+        single = np.array([self.measure([n]) for n in grid])  # [G] seconds
+        return grid, single
+
+    def estimate(self, counts: np.ndarray) -> np.ndarray:  # [..., S] -> [...]
+        c = np.asarray(counts, dtype=np.float64)
+        t = np.interp(c, self.grid, self.single, left=self.single[0])  # [..., S]
+        return np.where(c > 0, t, 0.0).sum(-1)
+
+    def __call__(self, shape: ModelShape, counts: np.ndarray) -> np.ndarray:  # [L, M, S] -> [L, M]
+        if shape != self.shape:
+            raise ValueError(f"this GpuGemmCost was built for {self.shape.name}, not {shape.name}")
+        counts = np.asarray(counts)
+        est = self.estimate(counts)  # [L, M]
+        out = est.copy()
+        for layer in range(counts.shape[0]):
+            e = est[layer]
+            if e.max() <= 0:
+                continue
+            order = np.argsort(-e, kind="stable")
+            pick = [g for g in order[:self.max_measured] if e[g] >= (1 - self.margin) * e.max()]
+            measured = np.array([self.measure(counts[layer, g]) for g in pick])
+            self.errors.extend((e[pick] / measured - 1).tolist())
+            ratio = measured.sum() / e[pick].sum()
+            out[layer] = e * ratio
+            out[layer, pick] = measured
+        return out
+
+    def stats(self) -> dict:
+        err = np.abs(np.asarray(self.errors)) if self.errors else np.zeros(1)
+        return {"gemms_run": self.runs, "cache_hits": self.hits, "calibration_points": len(self.grid),
+                "estimate_error_median": float(np.median(err)), "estimate_error_max": float(err.max()),
+                "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"}

@@ -1,0 +1,154 @@
+"""`eplb simulate TRACE --cost analytic|gpu`: tokens/s of each placement at EP 8 to 256.
+
+The pieces are in `eplb.core.scale` (replay, link model, analytic cost) and
+`eplb.ops.gpu_cost` (the real kernel timed on a GPU); this module reads the options,
+runs one replay per EP size with a progress bar, prints the tables and writes JSON and
+the plot. `benchmarks/scale.py` runs the sweeps of benchmarks/README.md through it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from eplb.core.scale import (MODEL_PRESETS, PLACEMENTS, TOKEN_PRESETS, AnalyticCost, LinkModel,
+                             ModelShape, ScaleResult, format_scale_table, plot_scale, plan_scale,
+                             scale_replay)
+
+
+def add_cost_arguments(p: argparse.ArgumentParser) -> None:
+    """The options `eplb simulate` gains for `--cost` (all ignored without it)."""
+    g = p.add_argument_group("cost replay (--cost): tokens/s at large expert parallelism")
+    g.add_argument("--cost", choices=["analytic", "gpu"], default=None,
+                   help="score tokens/s instead of balancedness: expert work from a roofline at "
+                        "stated rates (analytic) or from the grouped GEMM timed on this machine's GPU "
+                        "(gpu); --num-gpus may then list several EP sizes, e.g. 8,16,32")
+    g.add_argument("--model", choices=[*MODEL_PRESETS, "custom"], default="deepseek-v3",
+                   help="model shape (default deepseek-v3; custom: give --hidden etc.)")
+    for name, help_ in (("hidden", "H"), ("intermediate", "I of one routed expert"),
+                        ("experts", "routed experts N (default: the trace's)"), ("top-k", "experts per token"),
+                        ("moe-layers", "MoE layers of the model")):
+        g.add_argument("--" + name, type=int, default=None, help=f"custom model: {help_}")
+    g.add_argument("--tokens-per-gpu", default="decode",
+                   help=f"tokens per GPU per step: a number or a preset "
+                        f"({', '.join(f'{k} {v}' for k, v in TOKEN_PRESETS.items())}; default decode)")
+    g.add_argument("--spare-slots-per-gpu", type=int, default=1,
+                   help="with --cost and no --num-slots: slots = N + this x num_gpus (default 1)")
+    g.add_argument("--layers", type=int, default=None,
+                   help="replay this many trace layers, evenly spaced (default all)")
+    g.add_argument("--placements", default=",".join(PLACEMENTS),
+                   help=f"comma-separated, from {','.join(PLACEMENTS)} (static is always run)")
+    g.add_argument("--gpus-per-node", type=int, default=LinkModel.gpus_per_node)
+    g.add_argument("--intra-gbps", type=float, default=LinkModel.intra_GBps,
+                   help=f"GB/s per GPU within a node (default {LinkModel.intra_GBps:g}: H200 NVLink raw "
+                        "peer copy, measured)")
+    g.add_argument("--inter-gbps", type=float, default=LinkModel.inter_GBps,
+                   help=f"GB/s per GPU across nodes (default {LinkModel.inter_GBps:g})")
+    g.add_argument("--transfer-efficiency", type=float, default=LinkModel.transfer_efficiency,
+                   help="rebalance moves run at this fraction of the link (default "
+                        f"{LinkModel.transfer_efficiency:g}, measured for a partial layer move)")
+    g.add_argument("--serving-steps", type=int, default=1000,
+                   help="model steps one rebalance interval stands for; a rebalance's time is spread "
+                        "over them (default 1000)")
+    g.add_argument("--tflops", type=float, default=AnalyticCost.tflops, help="analytic: bf16 TFLOP/s")
+    g.add_argument("--hbm-tbps", type=float, default=AnalyticCost.hbm_TBps, help="analytic: HBM TB/s")
+
+
+def model_shape(a: argparse.Namespace, trace_experts: int) -> ModelShape:
+    if a.model != "custom":
+        return MODEL_PRESETS[a.model]
+    missing = [n for n in ("hidden", "intermediate", "top_k", "moe_layers") if getattr(a, n) is None]
+    if missing:
+        raise ValueError("--model custom needs " + ", ".join("--" + m.replace("_", "-") for m in missing))
+    return ModelShape("custom", a.hidden, a.intermediate, a.experts or trace_experts, a.top_k, 1,
+                      a.moe_layers)
+
+
+def tokens_per_gpu(value: str) -> int:
+    if value in TOKEN_PRESETS:
+        return TOKEN_PRESETS[value]
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"--tokens-per-gpu must be a number or one of {', '.join(TOKEN_PRESETS)}, "
+                         f"got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"--tokens-per-gpu must be >= 1, got {n}")
+    return n
+
+
+def pick_layers(trace: np.ndarray, k: int | None) -> np.ndarray:  # [T, L, N] -> [T, k, N]
+    """k trace layers evenly spaced over the depth (all when k is None)."""
+    L = trace.shape[1]
+    if k is None or k >= L:
+        return trace
+    if k < 1:
+        raise ValueError(f"--layers must be >= 1, got {k}")
+    return trace[:, np.unique(np.linspace(0, L - 1, k).round().astype(int))]
+
+
+def make_cost(kind: str, shape: ModelShape, Ms: Sequence[int], slots: Sequence[int], tokens: int,
+              a: argparse.Namespace):
+    if kind == "analytic":
+        return AnalyticCost(a.tflops, a.hbm_tbps)
+    from eplb.ops.gpu_cost import GpuGemmCost
+    max_slots = max(P // M for M, P in zip(Ms, slots))
+    return GpuGemmCost(shape, max_slots, 4 * tokens * shape.top_k, device="cuda")  # grows on demand
+
+
+def run_cost(a: argparse.Namespace, trace: np.ndarray, source: str) -> int:
+    """The `--cost` path of `eplb simulate` (trace already aggregated)."""
+    from eplb.ops.progress import ProgressBar
+
+    trace = pick_layers(trace, a.layers)
+    T, L, Nt = trace.shape
+    shape = model_shape(a, Nt)
+    tokens = tokens_per_gpu(a.tokens_per_gpu)
+    link = LinkModel(a.gpus_per_node, a.intra_gbps, a.inter_gbps, a.transfer_efficiency)
+    Ms = list(a.num_gpus)
+    if a.num_slots is not None and len(Ms) > 1:
+        raise ValueError("--num-slots fits one EP size; with several, use --spare-slots-per-gpu")
+    if a.spare_slots_per_gpu < 0:
+        raise ValueError(f"--spare-slots-per-gpu must be >= 0, got {a.spare_slots_per_gpu}")
+    slots = [a.num_slots if a.num_slots is not None else shape.num_experts + a.spare_slots_per_gpu * M
+             for M in Ms]
+    placements = [k for k in a.placements.split(",") if k]
+    cost = make_cost(a.cost, shape, Ms, slots, tokens, a)
+    print(f"eplb simulate --cost {a.cost}: {source}: {T} steps x {L} layers x {Nt} experts as "
+          f"{shape.name} (H {shape.hidden}, I {shape.intermediate}, N {shape.num_experts}, "
+          f"top-{shape.top_k}, {shape.num_moe_layers} MoE layers); {tokens} tokens/GPU/step; window "
+          f"{a.window_size}, interval {a.rebalance_interval} (= {a.serving_steps} model steps)")
+    results: list[ScaleResult] = []
+    for M, P in zip(Ms, slots):
+        planned = plan_scale(trace, shape, M, P, a.window_size, a.rebalance_interval, link,
+                             placements, a.min_gain)
+        n = sum(b.end - b.start for blocks in planned[1].values() for b in blocks)
+        bar = ProgressBar(n, label=f"EP {M}") if n >= 50 else None
+        res = scale_replay(trace, shape, M, P, tokens, a.window_size, a.rebalance_interval, cost, link,
+                           placements, a.serving_steps, a.min_gain, planned=planned,
+                           progress=bar.update if bar else None)
+        if bar:
+            bar.close()
+        results.append(res)
+        print(format_scale_table([res]), flush=True)
+    if a.cost == "gpu":
+        st = cost.stats()
+        print(f"GPU ({st['device']}): {st['gemms_run']} grouped GEMMs timed, {st['cache_hits']} served "
+              f"from the cache; the slot-sum estimate that picks each layer's slowest GPUs was off by "
+              f"{100 * st['estimate_error_median']:.1f}% (median), {100 * st['estimate_error_max']:.1f}% "
+              f"(max) from the measured times")
+    if a.json:
+        doc = {"date": datetime.date.today().isoformat(), "source": source, "cost": a.cost,
+               "results": [r.to_dict() for r in results]}
+        if a.cost == "gpu":
+            doc["gpu"] = cost.stats()
+        Path(a.json).write_text(json.dumps(doc) + "\n")
+        print(f"wrote {a.json}")
+    if a.plot:
+        plot_scale(results, a.plot, title=f"{source}: {shape.name}, {tokens} tokens/GPU/step, cost {a.cost}")
+        print(f"wrote {a.plot}")
+    return 0

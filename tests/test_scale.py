@@ -1,0 +1,265 @@
+"""The large-EP cost replay (`eplb.core.scale`, `eplb simulate --cost`): every figure is
+recomputed here by plain loops, independent of the vectorised code."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _cli import run_main
+
+from eplb.core.placement import Placement
+from eplb.core.scale import (AnalyticCost, LinkModel, ModelShape, exchange_seconds, move_seconds,
+                             plan_scale, scale_replay, slot_counts, stack_experts)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ModelShape("tiny", hidden=64, intermediate=32, num_experts=16, top_k=2, num_groups=1,
+                  num_moe_layers=10)
+
+
+def skewed_trace(T=10, L=2, N=16, seed=0):  # [T, L, N]: a very hot expert per layer, noise
+    rng = np.random.default_rng(seed)
+    t = rng.gamma(0.6, size=(T, L, N)) * 100 + 1
+    t[:, np.arange(L), np.arange(L) % N] += 4000
+    return t
+
+
+# ---- pieces against loops ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("intra, inter", [(100.0, 10.0), (10.0, 100.0)])
+def test_exchange_seconds_matches_a_pairwise_traffic_matrix(intra, inter):
+    rng = np.random.default_rng(1)
+    link = LinkModel(gpus_per_node=4, intra_GBps=intra, inter_GBps=inter)
+    M = 8
+    load = rng.integers(0, 1000, size=(3, M)).astype(float)  # [L, M]
+    got = exchange_seconds(load, TINY, link)
+    row = TINY.hidden * TINY.dtype_bytes
+    for layer in range(3):
+        worst = 0.0
+        for g in range(M):
+            si = sx = ri = rx = 0.0
+            for h in range(M):  # every source sends 1/M of each destination's choices
+                if h == g:
+                    continue
+                same = g // 4 == h // 4
+                sent, recv = load[layer, h] / M, load[layer, g] / M
+                if same:
+                    si, ri = si + sent, ri + recv
+                else:
+                    sx, rx = sx + sent, rx + recv
+            t = max(max(si, ri) * row / (intra * 1e9), max(sx, rx) * row / (inter * 1e9))
+            worst = max(worst, t)
+        assert got[layer] == pytest.approx(worst, rel=1e-12)
+
+
+def test_move_seconds_matches_a_loop_over_receivers():
+    rng = np.random.default_rng(2)
+    link = LinkModel(gpus_per_node=2, intra_GBps=50.0, inter_GBps=5.0, transfer_efficiency=0.5)
+    M, S, N, L = 4, 5, 16, 3
+    old = Placement(np.stack([rng.permutation(np.arange(M * S) % N) for _ in range(L)]), N, M)
+    new = Placement(np.stack([rng.permutation(np.arange(M * S) % N) for _ in range(L)]), N, M)
+    total = 0.0
+    B = TINY.bytes_per_expert
+    for layer in range(L):
+        o, w = old.physical_to_logical[layer], new.physical_to_logical[layer]
+        worst = 0.0
+        for g in range(M):
+            mine = set(o[g * S:(g + 1) * S])
+            node = set(o[(g // 2) * 2 * S:((g // 2) * 2 + 2) * S])
+            need = set(w[g * S:(g + 1) * S]) - mine
+            intra = len([e for e in need if e in node])
+            worst = max(worst, intra * B / 25e9, (len(need) - intra) * B / 2.5e9)
+        total += worst
+    assert move_seconds(old, new, TINY, link) == pytest.approx(total, rel=1e-12)
+    assert move_seconds(old, old, TINY, link) == 0.0
+
+
+def test_slot_counts_split_each_expert_over_its_replicas():
+    M, N = 2, 4
+    p2l = np.array([[0, 1, 0, 2, 3, 0]])  # expert 0 three times
+    shares = np.array([[0.5, 0.25, 0.125, 0.125]])
+    even = slot_counts(shares, Placement(p2l, N, M), 1200)  # [1, 2, 3]
+    assert even.tolist() == [[[200, 300, 200], [150, 150, 200]]]
+    w = np.array([[0.5, 1.0, 0.25, 1.0, 1.0, 0.25]])
+    weighted = slot_counts(shares, Placement(p2l, N, M, shares=w), 1200)
+    assert weighted.tolist() == [[[300, 300, 150], [150, 150, 150]]]
+
+
+def test_analytic_cost_is_the_roofline_by_hand():
+    c = AnalyticCost(tflops=1.0, hbm_TBps=1.0, launch_us=10.0)
+    counts = np.array([[[3, 0, 5], [0, 0, 0]]])  # [1, 2, 3]
+    got = c(TINY, counts)
+    H, I = 64, 32
+    flops = 8 * 6 * H * I
+    nbytes = 2 * 3 * H * I * 2 + 8 * (2 * H + 3 * I + I) * 2
+    assert got[0, 0] == pytest.approx(max(flops, nbytes) / 1e12 + 10e-6)
+    assert got[0, 1] == 0.0
+
+
+def test_stack_experts_takes_consecutive_layers():
+    t = np.arange(2 * 3 * 4, dtype=float).reshape(2, 3, 4)  # [T, L, Nt]
+    assert stack_experts(t, 4) is t
+    s = stack_experts(t, 8)
+    for layer in range(3):
+        for e in range(8):
+            assert s[1, layer, e] == t[1, (layer + e // 4) % 3, e % 4]
+    with pytest.raises(ValueError, match="multiple of the trace's"):
+        stack_experts(t, 6)
+
+
+# ---- the replay ----------------------------------------------------------------------
+
+
+def test_static_row_recomputed_step_by_step():
+    trace = skewed_trace()
+    link = LinkModel(gpus_per_node=2)
+    cost = AnalyticCost()
+    M, P, tok = 4, 20, 64
+    res = scale_replay(trace, TINY, M, P, tok, 2, 2, cost, link, ("static",))
+    init = Placement.initial(2, 16, P, M, 2)
+    layer_times, comp = [], []
+    for t in range(2, 10):
+        for layer in range(2):
+            sh = trace[t, layer] / trace[t, layer].sum()
+            per_gpu = []
+            for g in range(M):
+                cs = [round(round(sh[e] * M * tok * 2) / (init.replica_count()[layer, e]))
+                      for e in init.physical_to_logical[layer, g * 5:(g + 1) * 5]]
+                per_gpu.append(cost(TINY, np.array([[cs]]))[0, 0])
+            loads = slot_counts(sh[None], init.__class__(init.physical_to_logical[layer:layer + 1], 16, M, 2),
+                                M * tok * 2).sum(-1)  # [1, M]
+            ex = 2 * exchange_seconds(loads, TINY, link)[0]
+            layer_times.append(max(per_gpu) + ex)
+            comp.append(max(per_gpu))
+    row = res.rows["static"]
+    assert row.layer_ms == pytest.approx(1e3 * np.mean(layer_times), rel=1e-9)
+    assert row.compute_ms == pytest.approx(1e3 * np.mean(comp), rel=1e-9)
+    assert row.tokens_per_s == pytest.approx(M * tok / (np.mean(layer_times) * 10), rel=1e-9)
+    assert row.rebalances == 0 and row.rebalance_ms_per_step == 0
+
+
+def test_balancing_pays_on_a_hot_expert_and_moves_are_charged():
+    trace = skewed_trace()
+    compute_bound = AnalyticCost(tflops=0.01)  # tiny experts: make FLOPs, not weight reads, count
+    res = scale_replay(trace, TINY, 4, 24, 256, 2, 2, compute_bound, LinkModel(gpus_per_node=2),
+                       serving_steps=10)
+    rows = res.rows
+    assert list(rows) == ["static", "deepseek", "default", "default-weighted", "oracle"]
+    for k in ("deepseek", "default", "oracle"):
+        assert rows[k].compute_ms < rows["static"].compute_ms
+        assert res.gain_over_static(k) == pytest.approx(rows[k].tokens_per_s / rows["static"].tokens_per_s - 1)
+    # the rebalance charge is what makes tokens/s differ from the layer time alone
+    d = rows["default"]
+    assert d.rebalances >= 1 and d.rebalance_ms_per_step > 0
+    steps = 8 / 2 * 10  # scored steps / interval * serving_steps
+    moved_ms = d.rebalance_ms_per_step * steps
+    assert d.tokens_per_s == pytest.approx(4 * 256 / ((d.layer_ms * 10 + d.rebalance_ms_per_step) / 1e3))
+    # per step: its layers plus its share of the rebalance that started its interval
+    assert np.mean(d.step_ms) == pytest.approx(d.layer_ms * 10 + d.rebalance_ms_per_step, rel=1e-4)
+    assert max(d.step_ms) > min(d.step_ms)
+    assert moved_ms > 0
+    longer = scale_replay(trace, TINY, 4, 24, 256, 2, 2, compute_bound, LinkModel(gpus_per_node=2),
+                          serving_steps=1000).rows["default"]
+    assert longer.rebalance_ms_per_step == pytest.approx(d.rebalance_ms_per_step / 100)
+
+
+def test_plan_scale_rejects_bad_input():
+    with pytest.raises(ValueError, match="unknown placement"):
+        plan_scale(skewed_trace(), TINY, 4, 20, 2, 2, placements=("fancy",))
+    with pytest.raises(ValueError, match="multiple of num_gpus"):
+        plan_scale(skewed_trace(), TINY, 4, 18, 2, 2)
+    with pytest.raises(ValueError, match="nothing left to score"):
+        plan_scale(skewed_trace(T=3), TINY, 4, 20, 2, 4)
+
+
+# ---- the CLI -------------------------------------------------------------------------
+
+
+def test_cli_cost_analytic_prints_and_writes_the_same_figures(tmp_path, capsys):
+    trace = tmp_path / "t.npy"
+    np.save(trace, skewed_trace(T=12, L=2, N=16))
+    out = tmp_path / "s.json"
+    code, stdout, err = run_main(["simulate", str(trace), "--cost", "analytic", "--model", "custom",
+                                  "--hidden", "64", "--intermediate", "32", "--top-k", "2",
+                                  "--moe-layers", "10", "--num-gpus", "2,4", "--window-size", "2",
+                                  "--rebalance-interval", "2", "--gpus-per-node", "2",
+                                  "--tokens-per-gpu", "64", "--json", str(out)], capsys)
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    assert [r["config"]["num_gpus"] for r in doc["results"]] == [2, 4]
+    assert [r["config"]["num_slots"] for r in doc["results"]] == [18, 20]  # N + 1 spare per GPU
+    for r in doc["results"]:
+        for name, row in r["rows"].items():
+            line = next(x for x in stdout.splitlines() if x.split()[:1] == [name]
+                        and f"{row['tokens_per_s']:,.0f}" in x)
+            assert f"{row['layer_ms']:.3f}" in line
+            assert f"{100 * r['gain_over_static'][name]:+.1f}%" in line
+
+
+def test_cli_cost_errors_are_one_line(tmp_path, capsys):
+    trace = tmp_path / "t.npy"
+    np.save(trace, skewed_trace(T=12, L=2, N=16))
+    base = ["simulate", str(trace), "--window-size", "2", "--rebalance-interval", "2"]
+    code, _, err = run_main(base + ["--num-gpus", "2,4", "--num-slots", "20"], capsys)
+    assert code != 0 and "several EP sizes only with --cost" in err
+    code, _, err = run_main(base + ["--num-gpus", "2"], capsys)
+    assert code != 0 and "--num-slots is required" in err
+    code, _, err = run_main(base + ["--num-gpus", "2", "--cost", "analytic", "--model", "custom"], capsys)
+    assert code != 0 and "--model custom needs --hidden" in err
+    code, _, err = run_main(base + ["--num-gpus", "2", "--cost", "analytic", "--tokens-per-gpu", "lots"],
+                            capsys)
+    assert code != 0 and "--tokens-per-gpu must be a number or one of decode, prefill" in err
+    odd = tmp_path / "odd.npy"
+    np.save(odd, skewed_trace(T=12, L=2, N=12))
+    code, _, err = run_main(["simulate", str(odd), "--window-size", "2", "--rebalance-interval", "2",
+                             "--num-gpus", "2", "--cost", "analytic"], capsys)  # deepseek-v3: 256 experts
+    assert code != 0 and "the model has 256 experts and the trace 12" in err
+
+
+def test_gpu_cost_mechanics_on_cpu():
+    """The measured cost model's bookkeeping (the timing itself needs a GPU to mean much):
+    identical work is measured once; each layer's largest estimate is measured."""
+    from eplb.ops.gpu_cost import GpuGemmCost
+    c = GpuGemmCost(TINY, max_slots=4, max_tokens=256, device="cpu", bucket=4, max_measured=2, reps=1,
+                    margin=1.0)  # the two largest estimates of a layer are measured
+    assert c.grid[0] >= 1 and len(c.grid) == len(c.single)
+    runs = c.runs
+    t1 = c.measure([5, 0, 9])
+    assert c.runs == runs + 1
+    assert c.measure([9, 6]) == t1 and c.runs == runs + 1  # sorted, rounded up to 4: (12, 8)
+    counts = np.array([[[2, 0, 0, 0], [100, 90, 80, 0], [40, 30, 0, 0]]])  # [1, 3, 4]
+    out = c(TINY, counts)
+    est = c.estimate(counts)
+    assert out.shape == (1, 3)
+    assert np.argsort(-est[0])[:2].tolist() == [1, 2]
+    assert out[0, 1] == c.measure([100, 90, 80])  # the two largest estimates are measured
+    assert out[0, 2] == c.measure([40, 30])
+    ratio = (out[0, 1] + out[0, 2]) / (est[0, 1] + est[0, 2])
+    assert out[0, 0] == pytest.approx(est[0, 0] * ratio)  # the others: estimates, rescaled
+    big = c.measure([300])  # more tokens than the buffer: it grows
+    assert big > 0 and c.x.shape[0] >= 300
+    with pytest.raises(ValueError, match="exceeds the 4 slots"):
+        c.measure([1] * 5)
+
+
+def test_bench_scale_plan_cache_round_trips(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import scale as bench
+    finally:
+        sys.path.pop(0)
+    trace = skewed_trace(T=10, L=2, N=16)
+    shape = TINY
+    loads, blocks = plan_scale(trace, shape, 4, 20, 2, 2, LinkModel(gpus_per_node=2))
+    f = tmp_path / "p.npz"
+    bench.save_plans(f, loads, blocks)
+    loads2, blocks2 = bench.load_plans(f, 4, 2)
+    assert np.array_equal(loads, loads2) and list(blocks) == list(blocks2)
+    a = scale_replay(trace, shape, 4, 20, 64, 2, 2, AnalyticCost(), LinkModel(gpus_per_node=2),
+                     planned=(loads, blocks))
+    b = scale_replay(trace, shape, 4, 20, 64, 2, 2, AnalyticCost(), LinkModel(gpus_per_node=2),
+                     planned=(loads2, blocks2))
+    assert a.to_dict() == b.to_dict()
