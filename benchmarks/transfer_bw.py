@@ -1,9 +1,11 @@
-"""Expert-weight transfer bandwidth on 2 ranks: raw peer copy vs one layer of experts.
+"""Expert-weight transfer bandwidth: raw peer copy vs one layer of experts, 2 or more ranks.
 
-One command, one run (it starts its own 2 processes):
+One command, one run (it starts its own processes):
 
     python benchmarks/transfer_bw.py              # 2 GPUs, NCCL, DeepSeek-V3-sized experts
+    python benchmarks/transfer_bw.py --nproc 8    # all-ranks mode: 8 GPUs send and receive at once
     python benchmarks/transfer_bw.py --cpu        # 2 CPU ranks on gloo, tiny sizes (a check)
+    python benchmarks/transfer_bw.py --cpu --nproc 4 --experts 16
 
 It measures, in the same run:
 
@@ -25,6 +27,13 @@ write), the per-direction GB/s (bytes one rank receives / time; both directions 
 once), the ratio to (a), the peak extra GPU memory (`torch.cuda.max_memory_allocated` over
 the allocated weights, staging included) next to one layer of local experts, and checks
 that every slot ends bitwise equal to its expert. Then one JSON line with everything.
+
+All-ranks mode (`--nproc N`, N > 2): the experts are spread over N ranks (S = experts / N
+each) and every rank sends and receives at once: `swap` moves every expert to the next
+rank, `random` gives --partial of every rank's slots an expert of another rank (random
+peers). Besides the slowest rank's figures it reports each rank's GB/s (bytes it received
+/ the slowest rank's time, min-max in the table) and the aggregate (all bytes / that time),
+against the raw peer copy cuda:0 -> cuda:1.
 """
 from __future__ import annotations
 
@@ -136,9 +145,15 @@ def raw_peer_copy(nbytes: int, iters: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def placements(S: int, frac: float, seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """`[P]` old and new rows for 2 ranks: every expert swaps rank; or k = frac * S random
-    slots per rank trade experts with random slots of the other rank."""
+def placements(S: int, frac: float, seed: int, world: int = 2) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """`[P]` old and new rows. On 2 ranks: every expert swaps rank (`swap`); or k = frac * S
+    random slots per rank trade experts with random slots of the other rank (`partial`).
+    On `world` > 2 ranks (the all-ranks mode): every expert moves to the next rank
+    (`swap`, a ring); or k random slots of every rank each take an expert of another rank
+    (`random`): every rank sends and receives at once."""
+    if world > 2:
+        return {"swap": (np.arange(world * S), np.roll(np.arange(world * S), S)),
+                "random": random_change(S, frac, seed, world)}
     old = np.arange(2 * S)
     swap = np.concatenate([old[S:], old[:S]])
     rng = np.random.default_rng(seed)
@@ -148,6 +163,29 @@ def placements(S: int, frac: float, seed: int) -> dict[str, tuple[np.ndarray, np
     partial = old.copy()
     partial[a], partial[b] = old[b], old[a]
     return {"swap": (old, swap), "partial": (old, partial)}
+
+
+def random_change(S: int, frac: float, seed: int, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """k = frac * S random slots per rank, their experts shuffled so that each of these
+    slots gets an expert from another rank (a random permutation, then conflicts swapped
+    away; bounded). Returns (old [P], new [P]) with old = arange(P)."""
+    rng = np.random.default_rng(seed)
+    k = max(1, round(frac * S))
+    old = np.arange(world * S)
+    chosen = np.concatenate([r * S + rng.choice(S, k, replace=False) for r in range(world)])  # [W*k]
+    experts = chosen[rng.permutation(chosen.size)]  # [W*k] expert for each chosen slot
+    for _ in range(100 * chosen.size):  # repair: no slot takes an expert of its own rank
+        bad = np.flatnonzero(experts // S == chosen // S)
+        if bad.size == 0:
+            break
+        i, j = bad[0], rng.integers(chosen.size)
+        if experts[j] // S != chosen[i] // S and experts[i] // S != chosen[j] // S:
+            experts[i], experts[j] = experts[j], experts[i]
+    else:
+        raise RuntimeError("could not build the random change")
+    new = old.copy()
+    new[chosen] = experts
+    return old, new
 
 
 def sync(cuda: bool) -> None:
@@ -188,7 +226,8 @@ def worker(rank: int, world: int, port: int, cfg: dict) -> None:
 
 def _layers(rank: int, device, group, cfg: dict, out: dict) -> None:
     cuda = device.type == "cuda"
-    S, H, I = cfg["experts"] // 2, cfg["hidden"], cfg["intermediate"]
+    W = cfg["world"]
+    S, H, I = cfg["experts"] // W, cfg["hidden"], cfg["intermediate"]
     dtype = getattr(torch, cfg["dtype"])
     w13 = torch.empty(S, 2 * I, H, dtype=dtype, device=device)  # [S, 2I, H]
     w2 = torch.empty(S, H, I, dtype=dtype, device=device)  # [S, H, I]
@@ -196,7 +235,7 @@ def _layers(rank: int, device, group, cfg: dict, out: dict) -> None:
     bases = [_base(w.shape[1:], w.element_size(), device) for w in weights]
     layer_bytes = sum(w.nbytes for w in weights)  # one layer of local experts
     expert_bytes = layer_bytes // S
-    cases = placements(S, cfg["partial"], cfg["seed"])
+    cases = placements(S, cfg["partial"], cfg["seed"], W)
     local = slice(rank * S, (rank + 1) * S)
 
     methods: list[tuple[str, object]] = []  # (name, transport or a factory of one)
@@ -229,7 +268,7 @@ def _layers(rank: int, device, group, cfg: dict, out: dict) -> None:
                 continue
         for case, (old, new) in cases.items():
             rows = (old, new)
-            plans = [plan_layer_transfer(rows[d], rows[1 - d], 2, rank) for d in (0, 1)]
+            plans = [plan_layer_transfer(rows[d], rows[1 - d], W, rank) for d in (0, 1)]
             for w, base in zip(weights, bases):
                 fill(w, old[local], base)
             sync(cuda)
@@ -280,6 +319,9 @@ def _layers(rank: int, device, group, cfg: dict, out: dict) -> None:
             bad = sum(count_bad(w, old[local], base) for w, base in zip(weights, bases))
             bad_all = torch.tensor([bad, received], dtype=torch.int64, device=device)
             dist.all_reduce(bad_all)
+            per_rank = torch.zeros(W, dtype=torch.int64, device=device)  # bytes each rank received
+            per_rank[rank] = received
+            dist.all_reduce(per_rank)
             ex, full = statistics.median(t_ex), statistics.median(t_all)
             raw = out["raw_peer_copy_GBps"]
             res = {
@@ -293,6 +335,9 @@ def _layers(rank: int, device, group, cfg: dict, out: dict) -> None:
                 "pack_bytes": getattr(transport, "last_pack_bytes", None),
                 "peak_extra_bytes": peak, "layer_bytes": layer_bytes, "expert_bytes": expert_bytes,
                 "bad_slots_all_ranks": int(bad_all[0]), "iters": len(t_ex),
+                # all ranks: bytes each received over the slowest rank's time, and their sum
+                "per_rank_full_GBps": [b / full / 1e9 for b in per_rank.tolist()],
+                "aggregate_full_GBps": int(bad_all[1]) / full / 1e9,
             }
             if raw:
                 res["exchange_ratio"] = None if in_place else res["exchange_GBps"] / raw
@@ -316,14 +361,15 @@ def _exchange(name, transport, plan, weights, group, staging) -> int:
 def _header(out: dict) -> None:
     raw = out["raw_peer_copy_GBps"]
     cfg = out["config"]
-    print(f"# transfer_bw: {out.get('device', 'cpu/gloo')} x2, torch {out['torch']}, "
-          f"nccl {out.get('nccl', '-')}; experts {cfg['experts']} (S={cfg['experts'] // 2}), "
+    print(f"# transfer_bw: {out.get('device', 'cpu/gloo')} x{cfg['world']}, torch {out['torch']}, "
+          f"nccl {out.get('nccl', '-')}; experts {cfg['experts']} (S={cfg['experts'] // cfg['world']}), "
           f"H={cfg['hidden']}, I={cfg['intermediate']}, {cfg['dtype']}")
     print(f"(a) raw peer copy cuda:0 -> cuda:1, {cfg['raw_bytes'] / 2**30:g} GiB: "
           + (f"{raw:.1f} GB/s" if raw else "n/a"))
     print("| method | case | experts in | GB in | exchange ms | exchange GB/s | x raw | "
-          "layer ms | layer GB/s | x raw | messages | peak extra GB | one layer GB | bad slots |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "layer ms | layer GB/s | x raw | messages | peak extra GB | one layer GB | bad slots | "
+          "per-rank layer GB/s min-max | all ranks GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
 
 
 def _row(r: dict) -> None:
@@ -335,7 +381,9 @@ def _row(r: dict) -> None:
           f"{r['bytes_received'] / 1e9:.3f} | {f(r['exchange_ms'], '.2f')} | {f(r['exchange_GBps'], '.1f')} | "
           f"{f(r.get('exchange_ratio'), '.3f')} | {r['full_ms']:.2f} | {r['full_GBps']:.1f} | "
           f"{f(r.get('full_ratio'), '.3f')} | {f(r['messages'], 'd')} | {f(peak, '.3f')} | "
-          f"{r['layer_bytes'] / 1e9:.3f} | {r['bad_slots_all_ranks']} |", flush=True)
+          f"{r['layer_bytes'] / 1e9:.3f} | {r['bad_slots_all_ranks']} | "
+          f"{min(r['per_rank_full_GBps']):.1f}-{max(r['per_rank_full_GBps']):.1f} | "
+          f"{r['aggregate_full_GBps']:.1f} |", flush=True)
 
 
 def _report(out: dict) -> None:
@@ -348,7 +396,10 @@ def _report(out: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="2 CPU ranks on gloo, tiny sizes")
+    ap.add_argument("--cpu", action="store_true", help="CPU ranks on gloo, tiny sizes")
+    ap.add_argument("--nproc", type=int, default=2,
+                    help="ranks (GPUs); more than 2 is the all-ranks mode: cases swap (a ring) "
+                         "and random (--partial of every rank's slots take other ranks' experts)")
     ap.add_argument("--experts", type=int, default=None, help="experts over both ranks (256)")
     ap.add_argument("--hidden", type=int, default=None, help="H (7168)")
     ap.add_argument("--intermediate", type=int, default=None, help="I (2048)")
@@ -370,13 +421,15 @@ def main(argv=None) -> int:
     else:
         d = dict(experts=256, hidden=7168, intermediate=2048, dtype="bfloat16", iters=8,
                  chunks=f"64M,256M,{DEFAULT_CHUNK_BYTES >> 20}M,4G", methods="legacy,nccl,ipc,ipc-move,auto")
-        if torch.cuda.device_count() < 2:
-            print(f"needs 2 GPUs, {torch.cuda.device_count()} visible (use --cpu)", file=sys.stderr)
+        if torch.cuda.device_count() < a.nproc:
+            print(f"needs {a.nproc} GPUs, {torch.cuda.device_count()} visible (use --cpu)", file=sys.stderr)
             return 2
     pick = {k: getattr(a, k) if getattr(a, k) is not None else v for k, v in d.items()}
-    if pick["experts"] < 2 or pick["experts"] % 2:
-        raise SystemExit("--experts must be even and >= 2")
-    cfg = dict(cpu=a.cpu, experts=pick["experts"], hidden=pick["hidden"],
+    if a.nproc < 2:
+        raise SystemExit("--nproc must be >= 2")
+    if pick["experts"] < a.nproc or pick["experts"] % a.nproc:
+        raise SystemExit(f"--experts must be a multiple of --nproc ({a.nproc})")
+    cfg = dict(cpu=a.cpu, world=a.nproc, experts=pick["experts"], hidden=pick["hidden"],
                intermediate=pick["intermediate"], dtype=pick["dtype"], iters=pick["iters"],
                warmup=a.warmup, partial=a.partial, seed=a.seed,
                chunks=sorted({parse_bytes(c) for c in pick["chunks"].split(",")}),
@@ -386,7 +439,7 @@ def main(argv=None) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(worker, args=(2, port, cfg), nprocs=2, start_method="spawn")
+    mp.start_processes(worker, args=(a.nproc, port, cfg), nprocs=a.nproc, start_method="spawn")
     return 0
 
 

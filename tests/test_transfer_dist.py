@@ -454,3 +454,47 @@ def test_benchmark_runs_on_cpu():
         assert r["bad_slots_all_ranks"] == 0, r
         assert r["bytes_received"] == r["experts_received"] * r["expert_bytes"] > 0
     assert any(line.startswith("| nccl@100B | swap |") for line in lines)
+
+
+def test_benchmark_all_ranks_mode_on_cpu():
+    """transfer_bw.py --nproc 4 (the all-ranks mode): every rank sends and receives at once;
+    the bytes each rank reports received match a count made here from the placements, and
+    the aggregate is their sum over the same time."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        import transfer_bw as bench
+    finally:
+        sys.path.pop(0)
+    W, E, H, I = 4, 16, 16, 8
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "transfer_bw.py"), "--cpu", "--nproc", str(W),
+         "--experts", str(E), "--hidden", str(H), "--intermediate", str(I), "--iters", "1",
+         "--warmup", "0", "--chunks", "1K", "--methods", "nccl", "--partial", "0.5"],
+        cwd=root, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    S = E // W
+    expert_bytes = 3 * H * I * 4  # float32 on --cpu
+    cases = bench.placements(S, 0.5, 0, W)
+    assert {r["case"] for r in out["results"]} == {"swap", "random"} == set(cases)
+    for r in out["results"]:
+        assert r["bad_slots_all_ranks"] == 0, r
+        old, new = cases[r["case"]]
+        want = []
+        for rank in range(W):  # distinct experts a rank needs and did not hold, both directions
+            mine_old, mine_new = set(old[rank * S:(rank + 1) * S]), set(new[rank * S:(rank + 1) * S])
+            want.append(len(mine_new - mine_old) * expert_bytes)
+        ms = r["full_ms"] / 1e3
+        assert [round(g * ms * 1e9) for g in r["per_rank_full_GBps"]] == want
+        assert r["aggregate_full_GBps"] == pytest.approx(sum(want) / ms / 1e9)
+        assert all(w > 0 for w in want)  # every rank receives
+    old, new = cases["random"]
+    changed = np.flatnonzero(old != new)
+    assert all(new[p] // S != p // S for p in changed)  # each changed slot takes another rank's expert
+    assert len(changed) == W * round(0.5 * S)
