@@ -371,9 +371,96 @@ def section_predict() -> None:
               f"{need:.3f} on average; the best any predictor reaches there is {causal[:, switch].min(0).mean():.3f}\n")
 
 
+# ---- 7. drift ---------------------------------------------------------------------------------
+DRIFT_STEPS, DRIFT_WIDTH, DRIFT_BATCH = 240, 20, 130_000
+
+
+def drift_profiles() -> list[tuple[str, np.ndarray, np.ndarray, int, int]]:
+    """(name, profile A [L, N], profile B [L, N], EP, slots) of the drift families: two
+    ESFT tasks (summed per-task loads of ../shared/traces/npy, DeepSeek-V2-Lite design,
+    26 layers x 64 experts, EP16, 80 slots) and two synthetic 128-expert pairs (16 layers,
+    EP16, 144 slots: lognormal(0, 1) popularity, and Zipf 1.0, each layer's two profiles
+    with independent expert orders, seeds 11 and 12)."""
+    out = []
+    pairs = [("intent", "law"), ("summary", "translation"), ("law", "summary")]
+    for a, b in pairs:
+        fa, fb = TRACES / f"esft_dsv2lite_{a}.npy", TRACES / f"esft_dsv2lite_{b}.npy"
+        if fa.is_file() and fb.is_file():
+            out.append((f"ESFT {a} -> {b}", np.load(fa), np.load(fb), 16, 80))
+    L, N = 16, 128
+    for name, seed in (("lognormal(0, 1)", 11), ("Zipf 1.0", 12)):
+        rng = np.random.default_rng(seed)
+        prof = []
+        for _ in range(2):
+            if name.startswith("lognormal"):
+                prof.append(rng.lognormal(0.0, 1.0, (L, N)))
+            else:
+                prof.append(1.0 / (np.argsort(rng.random((L, N)), 1) + 1.0))
+        out.append((f"synthetic N=128 {name}", prof[0], prof[1], 16, 144))
+    return out
+
+
+def drift_trace(a: np.ndarray, b: np.ndarray, seed: int = 0, steps: int = DRIFT_STEPS,
+                batch: int = DRIFT_BATCH) -> np.ndarray:
+    """A smooth drift [T, L, N]: step t samples `batch` token-expert choices per layer
+    from the mix (1 - x) A + x B of the per-layer shares of the profiles a, b [L, N],
+    x = (1 - cos(pi t / T)) / 2 going from 0 to 1."""
+    pa, pb = a / a.sum(1, keepdims=True), b / b.sum(1, keepdims=True)  # [L, N]
+    rng = np.random.default_rng(seed)
+    out = np.empty((steps,) + a.shape)
+    for t in range(steps):
+        x = (1 - np.cos(np.pi * t / steps)) / 2
+        mix = (1 - x) * pa + x * pb
+        for layer in range(a.shape[0]):
+            out[t, layer] = rng.multinomial(batch, mix[layer] / mix[layer].sum())
+    return out
+
+
+def drift_replay(T: np.ndarray, policy: str, M: int, P: int, tol=None, width: int = DRIFT_WIDTH):
+    """Plan every `width` steps on the last `width` (previous = the placement in force
+    for `default`, from scratch for `deepseek`); every step is scored on the placement in
+    force. Returns (copies moved over all rebalances, rebalances, mean per-step
+    imbalance, mean plan ms)."""
+    tol = PolicyOptions().move_tolerance if tol is None else tol
+    prev, moved, n_reb, per_step, ms = None, 0, 0, [], []
+    for t in range(width, T.shape[0], width):
+        t0 = time.perf_counter()
+        p = plan(T[t - width:t].sum(0), M, P, policy=policy,
+                 previous=None if policy == "deepseek" else prev, move_tolerance=tol)
+        ms.append(1e3 * (time.perf_counter() - t0))
+        if prev is not None:
+            moved += int((p.physical_to_logical != prev.physical_to_logical).sum())
+            n_reb += 1
+        for u in range(t, min(t + width, T.shape[0])):
+            per_step.append(imbalance(T[u], p.physical_to_logical, M).mean())
+        prev = p
+    return moved, n_reb, float(np.mean(per_step)), float(np.mean(ms))
+
+
+def section_drift() -> None:
+    print("## 7. Drift: the request mix shifts smoothly from one routing profile to another\n")
+    print(f"{DRIFT_STEPS} steps of {DRIFT_BATCH:,} token-expert choices per layer, the mix of two profiles "
+          f"going from 0 to 1 along half a cosine; plan every {DRIFT_WIDTH} steps on the last {DRIFT_WIDTH} "
+          "(10 rebalances after the first plan); per-step imbalance = mean over steps and layers of max/mean "
+          "GPU load of each step's batch on the placement in force\n")
+    rows = []
+    for name, a, b, M, P in drift_profiles():
+        T = drift_trace(a, b)
+        d = drift_replay(T, "deepseek", M, P)
+        q = drift_replay(T, "default", M, P)
+        ok = q[0] <= d[0] / 3 and q[2] <= d[2] + 1e-12
+        rows.append([name, f"EP{M}, {P} slots, L={a.shape[0]}", f"{d[0]:,}", f"{q[0]:,}", f"{q[0] / max(d[0], 1):.3f}",
+                     f"{d[2]:.4f}", f"{q[2]:.4f}{'' if q[2] <= d[2] + 1e-12 else ' !'}", "yes" if ok else "no",
+                     f"{q[3]:.1f}"])
+    table(["profiles A -> B", "shape", "copies moved deepseek", "copies moved default", "ratio",
+           "per-step imbalance deepseek", "per-step imbalance default", "both targets", "default ms / plan"], rows)
+    print("copies moved = slots whose expert changes, summed over the 10 rebalances; both targets = moved <= 1/3 of "
+          "deepseek's from scratch and per-step imbalance <= deepseek's (`!`: worse)\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=["balance", "topology", "moves", "speed", "shares", "predict"])
+    ap.add_argument("--only", choices=["balance", "topology", "moves", "speed", "shares", "predict", "drift"])
     args = ap.parse_args()
     print(f"numpy {np.__version__}, torch {torch.__version__}; balance figures: {PLANEVAL_SRC}\n")
     data = traces() if args.only in (None, "balance", "topology", "shares") else []
@@ -390,6 +477,8 @@ def main() -> None:
         section_shares(data)
     if args.only in (None, "predict"):
         section_predict()
+    if args.only in (None, "drift"):
+        section_drift()
     print(f"(benchmark ran in {time.time() - t0:.0f} s)")
 
 

@@ -9,7 +9,7 @@ import numpy as np
 from eplb.core.policy.budgets import PREV_ITERS, PREV_WORK, SMALL, iterations
 from eplb.core.policy.packing import repair_duplicates
 from eplb.core.policy.refinement import improve_max
-from eplb.core.policy.rows import counts_of, max_load
+from eplb.core.policy.rows import argsort_rows, counts_of, gpu_sums, max_load, presence, take
 from eplb.core.policy.solve import solve
 
 
@@ -138,9 +138,90 @@ def _stable_false_first(b: np.ndarray) -> np.ndarray:
     return np.sort(key, axis=1) & ((1 << ib) - 1)
 
 
+def transition(w: np.ndarray, old: np.ndarray, c_new: np.ndarray, m: int) -> np.ndarray:
+    """Move `old` [R, p] to the replica counts `c_new` [R, n] with one copy per changed
+    count and nothing else: every expert with more replicas than c_new frees the slots
+    of its replicas on the most loaded GPUs (loads with the new counts), and the missing
+    replicas, heaviest first, take the freed slot of the least loaded GPU that does not
+    hold their expert (a GPU that holds it only when none is left; such duplicates are
+    then repaired by a swap). Every other slot keeps its expert. -> p2l [R, p]."""
+    R, p = old.shape
+    n = w.shape[1]
+    s = p // m
+    rows = np.arange(R)
+    gpu = np.arange(p) // s
+    c_old = counts_of(old, n)  # [R, n]
+    piece = w / np.maximum(c_new, 1)  # [R, n] replica load with the new counts
+    x = take(piece, old)  # [R, p]
+    slot_gpu_load = gpu_sums(x, m)[:, gpu]  # [R, p]
+    # free the surplus replicas of every expert, those on the most loaded GPUs first
+    order = np.lexsort((-slot_gpu_load, old), axis=-1)  # [R, p] by expert, then GPU load descending
+    e_sorted = take(old, order)
+    idx = np.broadcast_to(np.arange(p), (R, p))
+    start = np.where(np.concatenate([np.ones((R, 1), bool), e_sorted[:, 1:] != e_sorted[:, :-1]], 1), idx, 0)
+    rank = idx - np.maximum.accumulate(start, 1)  # [R, p] rank of the replica within its expert
+    surplus = np.maximum(c_old - c_new, 0)  # [R, n]
+    free = np.zeros((R, p), dtype=bool)
+    free[rows[:, None], order] = rank < take(surplus, e_sorted)
+    out = old.copy()
+    out[free] = -1
+    x[free] = 0.0
+    load = gpu_sums(x, m)  # [R, m] without the freed slots
+    on = presence(np.where(free, old, n), m, n + 1)[..., :n]  # [R, m, n] (n: a freed slot's dummy expert)
+    room = free.reshape(R, m, s).sum(-1)  # [R, m] free slots per GPU
+    # the missing replicas, heaviest first: [R, K] expert per item, -1 padded
+    deficit = np.maximum(c_new - c_old, 0)  # [R, n]
+    K = int(deficit.sum(1).max()) if R else 0
+    if K == 0:
+        return out
+    ordr = argsort_rows(piece, descending=True)  # [R, n]
+    items = np.full((R, K), -1, dtype=np.int64)
+    for r in np.nonzero(deficit.sum(1))[0]:  # rows with a count change (few items each)
+        it = np.repeat(ordr[r], deficit[r, ordr[r]])
+        items[r, :it.size] = it
+    for k in range(K):
+        e = items[:, k]  # [R]
+        act = e >= 0
+        ee = np.maximum(e, 0)
+        ok = (room > 0) & ~on[rows, :, ee]  # [R, m]
+        anyroom = room > 0
+        pick = np.where(ok.any(1)[:, None], np.where(ok, load, np.inf), np.where(anyroom, load, np.inf)).argmin(1)
+        r = rows[act]
+        g = pick[act]
+        slot = g * s + free.reshape(R, m, s)[r, g].argmax(1)  # first free slot of that GPU
+        out[r, slot] = e[act]
+        free[r, slot] = False
+        room[r, g] -= 1
+        load[r, g] += piece[r, e[act]]
+        on[r, g, e[act]] = True
+    return repair_duplicates(w, out, m)
+
+
+def _move_rows(w, old, scratch, target, m, cap, iters):
+    """Rows w [R', n] whose previous placement `old` [R', p] is above its `target` [R']
+    max GPU load: two candidates that start from `old`, both improved by max-GPU moves
+    until they reach the target: `old` itself, and `old` moved to the from-scratch replica
+    counts of `scratch` [R', p] (`transition`: one copy per changed count, so a drifting
+    load costs the copies of its count changes, not a fresh packing). Per row the one
+    that reaches the target with fewer moved slots is kept (neither: the lower max GPU
+    load; the caller then takes the from-scratch plan). -> [R', p]"""
+    n = w.shape[1]
+    a, _ = improve_max(w, old, m, cap, target=target, budget=iters)  # [R', p]
+    b = transition(w, old, counts_of(scratch, n), m)
+    b, _ = improve_max(w, b, m, cap, target=target, budget=iters)
+    la, lb = max_load(w, a, m), max_load(w, b, m)  # [R']
+    ma, mb = (a != old).sum(1), (b != old).sum(1)
+    va, vb = la <= target, lb <= target
+    take_b = (vb & (~va | (mb < ma))) | (~va & ~vb & (lb < la))
+    return np.where(take_b[:, None], b, a)
+
+
 def plan_rows(w: np.ndarray, p: int, m: int, prev: Optional[np.ndarray], tol: float) -> np.ndarray:
     """Placement of rows w [R, n]: from scratch, or from `prev` [R, p] (rows of -1 = no
-    previous) with at most (1 + tol) times the from-scratch max GPU load."""
+    previous) with at most (1 + tol) times the from-scratch max GPU load, and (on small
+    problems) at most the max GPU load of DeepSeek's own plan of the row. A row within
+    that target keeps its previous placement; one above it moves as little as it can to
+    reach it (`_move_rows`), else takes the from-scratch plan relabelled towards `prev`."""
     R, n = w.shape
     cap = m
     has_prev = np.zeros(R, dtype=bool) if prev is None else (prev >= 0).all(1)
@@ -149,22 +230,29 @@ def plan_rows(w: np.ndarray, p: int, m: int, prev: Optional[np.ndarray], tol: fl
     # the from-scratch plan is the reference (and the fallback); on large problems (more
     # than 8192 slots in all) it gets half the budget so that the moves from the previous
     # placement fit in the rest
-    scratch = solve(w, p, m, share=1.0 if R * p <= SMALL else 0.5)
+    scratch, ref = solve(w, p, m, share=1.0 if R * p <= SMALL else 0.5, with_reference=True)
     r = np.nonzero(has_prev)[0]
     every = r.size == R  # the usual case: no row copies
     old = prev if every else prev[r]
-    w_r, scratch_r = (w, scratch) if every else (w[r], scratch[r])
+    w_r, scratch_r, ref_r = (w, scratch, ref) if every else (w[r], scratch[r], ref[r])
     # a previous placement may hold more than m replicas of an expert (not placeable without
     # two on one GPU); such rows restart from scratch, only relabelled
     ok_counts = counts_of(old, n).max(1) <= cap
-    target = (1.0 + tol) * max_load(w_r, scratch_r, m) * (1 + 1e-12)
+    smax = max_load(w_r, scratch_r, m)  # [R'] the from-scratch max GPU load
+    # the tolerance, but never above DeepSeek's own from-scratch placement of the same
+    # load (known on small problems): under a drifting load a layer kept at the edge of
+    # the tolerance would otherwise be worse than re-planning with DeepSeek every time
+    target = np.maximum(np.minimum((1.0 + tol) * smax, ref_r), smax) * (1 + 1e-12)
     local = old.copy()
     sel = np.nonzero(ok_counts)[0]
     if sel.size:
         local[sel] = repair_duplicates(w_r[sel], old[sel], m)
         iters = iterations(PREV_WORK, (sel.size * p) ** 2, PREV_ITERS)
-        if iters > 0:  # large problems: only the layers already within tolerance stay
-            local[sel], _ = improve_max(w_r[sel], local[sel], m, cap, target=target[sel], budget=iters)
+        # rows outside the tolerance move; large problems (iters 0): only the rows already
+        # within tolerance stay
+        rn = sel[max_load(w_r[sel], local[sel], m) > target[sel]] if iters > 0 else sel[:0]
+        if rn.size:
+            local[rn] = _move_rows(w_r[rn], local[rn], scratch_r[rn], target[rn], m, cap, iters)
     reached = ok_counts & (max_load(w_r, local, m) <= target)  # (repaired rows hold no duplicates)
     miss = np.nonzero(~reached)[0]
     if every and not reached.any():  # every row takes the relabelled plan

@@ -17,10 +17,12 @@ from eplb.core.policy.replicas import compositions, count_search_pairs, exact_co
 from eplb.core.policy.rows import argsort_rows, counts_of, has_duplicates, max_load, take
 
 
-def solve(w: np.ndarray, p: int, m: int, share: float = 1.0) -> np.ndarray:
+def solve(w: np.ndarray, p: int, m: int, share: float = 1.0, with_reference: bool = False):
     """From-scratch placement of rows w [R, n] onto p slots of m GPUs: p2l [R, p].
     `share` < 1 scales the improvement budgets down (and lets them reach zero) when the
-    caller has other work to do in the same time."""
+    caller has other work to do in the same time. With `with_reference`, also returns
+    ref [R]: the max GPU load of DeepSeek's own placement of every row (computed on small
+    problems only; inf elsewhere)."""
     R, n = w.shape
     s = p // m
     cap = m
@@ -63,9 +65,11 @@ def solve(w: np.ndarray, p: int, m: int, share: float = 1.0) -> np.ndarray:
         if r.size:
             p2l[r] = count_moves(w[r], p2l[r], m, cap, COUNT_MOVES_WORK)
     p2l = refill_hot(w, p2l, m)
+    ref = np.full(R, np.inf)
     if size <= SMALL and share >= 1:
-        p2l = keep_better(w, p2l, deepseek_rows(w, p, m), m)
-    return p2l
+        ds, ref = deepseek_rows(w, p, m)
+        p2l = keep_better(w, p2l, ds, m)
+    return (p2l, ref) if with_reference else p2l
 
 
 def deepseek_rows(w: np.ndarray, p: int, m: int) -> np.ndarray:
@@ -75,13 +79,15 @@ def deepseek_rows(w: np.ndarray, p: int, m: int) -> np.ndarray:
     candidate that makes the planner never worse than `deepseek` where it is kept
     (`keep_better`). A row where DeepSeek gives an expert more than m replicas keeps
     duplicates (the repair cannot remove them); `keep_better` never takes such a row.
-    [R, n] -> p2l [R, p]."""
-    p2l, _, _ = deepseek.rebalance_experts(torch.tensor(w, dtype=torch.float64), p, 1, 1, m)  # [R, p]
-    p2l = repair_duplicates(w, p2l.numpy().astype(np.int64), m)
+    Returns (p2l [R, p], the max GPU load of DeepSeek's placement as it is [R])."""
+    raw, _, _ = deepseek.rebalance_experts(torch.tensor(w, dtype=torch.float64), p, 1, 1, m)  # [R, p]
+    raw = raw.numpy().astype(np.int64)
+    ref = max_load(w, raw, m)  # [R]
+    p2l = repair_duplicates(w, raw, m)
     if p // m > 2:
         p2l = improve_pairs(w, p2l, m, PAIR_ITERS[1])
     p2l, _ = improve_max(w, p2l, m, m, budget=MAX_ITERS[1])
-    return p2l
+    return p2l, ref
 
 
 def keep_better(w: np.ndarray, p2l: np.ndarray, alt: np.ndarray, m: int) -> np.ndarray:
