@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eplb.core.placement import Placement  # noqa: E402
 from eplb.core.scale import (MODEL_PRESETS, PLACEMENTS, TOKEN_PRESETS, AnalyticCost, LinkModel,  # noqa: E402
-                             format_scale_table, plan_scale, plot_scale, scale_replay, topology)
+                             plan_scale, scale_replay, topology)
 from eplb.core.simulate import Block, aggregate_steps  # noqa: E402
 from eplb.core.workload import load_trace  # noqa: E402
-from eplb.ops.scale_report import pick_layers  # noqa: E402
+from eplb.ops.scale_report import format_scale_table, pick_layers, plot_scale  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "traces" / "npy"

@@ -16,8 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from eplb.core.scale import (MODEL_PRESETS, PLACEMENTS, TOKEN_PRESETS, AnalyticCost, LinkModel,
-                             ModelShape, ScaleResult, format_scale_table, plot_scale, plan_scale,
-                             scale_replay)
+                             ModelShape, ScaleResult, plan_scale, scale_replay)
 
 
 def add_cost_arguments(p: argparse.ArgumentParser) -> None:
@@ -152,3 +151,45 @@ def run_cost(a: argparse.Namespace, trace: np.ndarray, source: str) -> int:
         plot_scale(results, a.plot, title=f"{source}: {shape.name}, {tokens} tokens/GPU/step, cost {a.cost}")
         print(f"wrote {a.plot}")
     return 0
+
+
+def format_scale_table(results: Sequence[ScaleResult]) -> str:
+    """One block per EP size: each placement's tokens/s, MoE layer time, gain over static,
+    GPU-idle fraction and rebalance cost."""
+    lines = []
+    for res in results:
+        c = res.config
+        lines.append(f"EP {c['num_gpus']} ({c['num_slots']} slots, {c['nodes']} node(s)), "
+                     f"{c['tokens_per_gpu']} tokens/GPU/step, {c['scored_steps']} steps scored")
+        lines.append(f"  {'placement':<17} {'tokens/s':>12} {'vs static':>9} {'layer ms':>9} "
+                     f"{'experts ms':>10} {'a2a ms':>7} {'idle':>6} {'moves ms/step':>13}")
+        for name, r in res.rows.items():
+            lines.append(f"  {name:<17} {r.tokens_per_s:>12,.0f} {100 * res.gain_over_static(name):>+8.1f}% "
+                         f"{r.layer_ms:>9.3f} {r.compute_ms:>10.3f} {r.exchange_ms:>7.3f} "
+                         f"{100 * r.idle:>5.1f}% {r.rebalance_ms_per_step:>13.3f}")
+    return "\n".join(lines)
+
+
+def plot_scale(results: Sequence[ScaleResult], path: str, title: str = "") -> None:
+    """tokens/s against EP size, one line per placement kind (matplotlib, Agg)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    Ms = [r.config["num_gpus"] for r in results]
+    for name in results[0].rows:
+        ax.plot(Ms, [r.rows[name].tokens_per_s for r in results], marker="o", label=name)
+        ax2.plot(Ms, [100 * r.gain_over_static(name) for r in results], marker="o", label=name)
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        a.set_xticks(Ms, [str(m) for m in Ms])
+        a.set_xlabel("expert-parallel GPUs (EP)")
+        a.grid(alpha=0.3)
+    ax.set_ylabel("tokens/s (MoE layers only)")
+    ax2.set_ylabel("gain over static (%)")
+    ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
