@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--traces", default="esft,olmoe")
     p.add_argument("--presets", default="decode,prefill")
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--reps", type=int, default=2, help="gpu: timed runs per GEMM (after one warm-up)")
+    p.add_argument("--max-measured", type=int, default=2,
+                   help="gpu: GPUs of a layer run for real (those within 5%% of the largest estimate)")
     a = p.parse_args(argv)
     Ms = [int(x) for x in a.ep.split(",")]
     shape = MODEL_PRESETS["deepseek-v3"]
@@ -140,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         from eplb.ops.gpu_cost import GpuGemmCost
         max_spares = max(SWEEP_SPARES) if not a.no_sweep else 1
         cost = GpuGemmCost(shape, shape.num_experts // min(Ms) + max_spares,
-                           4 * max(TOKEN_PRESETS.values()) * shape.top_k)
+                           4 * max(TOKEN_PRESETS.values()) * shape.top_k, reps=a.reps,
+                           max_measured=a.max_measured)
     doc: dict = {"date": datetime.date.today().isoformat(), "cost": a.cost, "model": shape.name,
                  "window": WINDOW, "interval": INTERVAL, "main": [], "sweep": []}
     md = []
@@ -164,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 plot_scale(results, a.out / f"scale-{name}-{preset}.png",
                            title=f"{name} trace as DeepSeek-V3, {tokens} tokens/GPU/step, cost {a.cost}")
                 md.append(main_table(name, preset, results))
+                write(a.out, doc, md, cost, t_start)
         if a.no_sweep:
             continue
         rows = []
@@ -181,17 +186,24 @@ def main(argv: list[str] | None = None) -> int:
                 doc["sweep"].append({"trace": name, "preset": "decode", "spare": spare, **res.to_dict()})
         if rows:
             md.append(sweep_table(name, rows))
+            write(a.out, doc, md, cost, t_start)
     if a.plan_only:
         return 0
-    if a.cost == "gpu":
-        doc["gpu"] = cost.stats()
-        md.append(f"GPU: {doc['gpu']}")
-    doc["seconds"] = time.perf_counter() - t_start
-    (a.out / "scale.json").write_text(json.dumps(doc) + "\n")
-    (a.out / "scale.md").write_text("\n\n".join(md) + "\n")
+    write(a.out, doc, md, cost, t_start)
     print("\n\n".join(md))
+    if a.cost == "gpu":
+        print(f"GPU: {doc['gpu']}")
     print(f"wrote {a.out}/scale.json, scale.md and the plots in {doc['seconds']:.0f} s")
     return 0
+
+
+def write(out: Path, doc: dict, md: list[str], cost, t_start: float) -> None:
+    """(Re)write scale.json and scale.md with what is done so far."""
+    if hasattr(cost, "stats"):
+        doc["gpu"] = cost.stats()
+    doc["seconds"] = time.perf_counter() - t_start
+    (out / "scale.json").write_text(json.dumps(doc) + "\n")
+    (out / "scale.md").write_text("\n\n".join(md) + "\n")
 
 
 def main_table(name: str, preset: str, results) -> str:
