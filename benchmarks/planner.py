@@ -1,7 +1,8 @@
 """Planner benchmark: the `default` (balanced) planner against the faithful `deepseek` one.
 
     python benchmarks/planner.py              # every table (about 2 minutes on one core)
-    python benchmarks/planner.py --only speed # one section: balance, topology, moves, speed, shares, predict
+    python benchmarks/planner.py --only speed # one section: balance, topology, moves, speed, shares, predict,
+                                              # drift, synthetic
 
 Balance figures follow the project's yardstick (../shared/tools/planeval.py when present,
 the same definition otherwise): per layer, max GPU load / mean GPU load, the tokens of an
@@ -371,6 +372,99 @@ def section_predict() -> None:
               f"{need:.3f} on average; the best any predictor reaches there is {causal[:, switch].min(0).mean():.3f}\n")
 
 
+# ---- 8. synthetic families, never worse, spare slots -----------------------------------------
+def synthetic_loads() -> list[tuple[str, np.ndarray]]:
+    """(name, [8, N] load) of the synthetic families, N = 128 and 256, fixed seeds:
+    Zipf popularity (exponent 0.8, 1.2; expert order shuffled per layer, x lognormal(0,
+    0.3) noise; seed 1), lognormal(0, sigma) popularity (sigma 0.5, 1.0, 1.5; seed 1), and
+    hot experts: k experts each f times the mean GPU load at EP16 (k, f = 1, 3.0; 3, 1.5;
+    3, 3.0; 6, 1.5; x U(0.9, 1.1) per layer), the others lognormal(0, 0.5) (seed 5). Every
+    load is scaled to 1e6 tokens per layer and rounded."""
+    out = []
+    L = 8
+    for N in (128, 256):
+        for a in (0.8, 1.2):
+            rng = np.random.default_rng(1)
+            ranks = np.argsort(rng.random((L, N)), 1) + 1.0
+            out.append((f"zipf {a} N={N}", 1.0 / ranks ** a * rng.lognormal(0, 0.3, (L, N))))
+        for sigma in (0.5, 1.0, 1.5):
+            out.append((f"lognormal {sigma} N={N}", np.random.default_rng(1).lognormal(0, sigma, (L, N))))
+        for k, f in ((1, 3.0), (3, 1.5), (3, 3.0), (6, 1.5)):
+            rng = np.random.default_rng(5)
+            w = rng.lognormal(0, 0.5, (L, N))
+            idx = np.argsort(rng.random((L, N)), 1)[:, :k]  # [L, k] the hot experts
+            rest = w.copy()
+            np.put_along_axis(rest, idx, 0, 1)
+            fs = f * rng.uniform(0.9, 1.1, (L, k))  # each fs x total / 16
+            hot = fs * rest.sum(1, keepdims=True) / 16 / (1 - fs.sum(1, keepdims=True) / 16)
+            np.put_along_axis(w, idx, hot, 1)
+            out.append((f"hot k={k} f={f} N={N}", w))
+    return [(name, np.round(w / w.sum(1, keepdims=True) * 1e6)) for name, w in out]
+
+
+def section_synthetic(data) -> None:
+    print("## 8. Never worse than deepseek, and spare slots, on the real traces and the synthetic families\n")
+    print("synthetic families (benchmarks/planner.py synthetic_loads): " + synthetic_loads.__doc__.split(":", 1)[1]
+          .replace("\n    ", " ").strip() + "\n")
+    loads = [(n, w, "trace") for n, w in data] + [(n, w, "synthetic") for n, w in synthetic_loads()]
+    # target 1: every configuration of the balance and topology sections
+    worse, total, worst = 0, 0, []
+    topo = [(2, 8), (2, 16), (4, 16), (4, 32), (8, 64)]
+    for name, load, _ in loads:
+        N = load.shape[1]
+        cfgs = [(M, P, 1, 1) for M in EP_SIZES for P in (N, N + M)]
+        cfgs += [(M, P, k, 8) for k, M in topo for P in (N, N + M)]
+        for M, P, k, g in cfgs:
+            d = imbalance(load, plan(load, M, P, k, g, policy="deepseek").physical_to_logical, M).mean()
+            b = imbalance(load, plan(load, M, P, k, g).physical_to_logical, M).mean()
+            total += 1
+            if b > d + 1e-12:
+                worse += 1
+                worst.append(f"{name} EP{M} P={P} nodes={k}: {d:.4f} / {b:.4f}")
+    print(f"never worse: {total} configurations (balance: EP 8-64, P = N and N + M; topology: 8 groups, "
+          f"2-8 nodes, P = N and N + M) over {len(loads)} loads; default worse than deepseek in {worse}"
+          + (": " + "; ".join(worst) if worst else "") + "\n")
+    # target 2: one and two spare slots per GPU, mean over EP 8-64 per load
+    rows, over = [], []
+    for name, load, kind in loads:
+        N = load.shape[1]
+        cells = [name, kind]
+        for spare in (1, 2):
+            fr, lb, ep64 = [], [], ""
+            for M in EP_SIZES:
+                P = N + spare * M
+                d = imbalance(load, plan(load, M, P, policy="deepseek").physical_to_logical, M).mean()
+                b = imbalance(load, plan(load, M, P).physical_to_logical, M).mean()
+                fr.append((b - 1) / max(d - 1, 1e-300))
+                lb.append((lower_bound(load, P, M).mean() - 1) / max(d - 1, 1e-300))
+                if M == 64:
+                    ep64 = f"{P // M}: {d:.4f} / {b:.4f}"
+            cells += [f"{np.mean(fr):.3f}{' !' if np.mean(fr) > 1 / 3 else ''}", f"{np.mean(lb):.3f}", ep64]
+            if np.mean(fr) > 1 / 3:
+                over.append((name, load, spare))
+        rows.append(cells)
+    print("spare slots: excess (max/mean - 1) of default as a fraction of deepseek's, mean over EP 8, 16, 32, 64 "
+          "(`!`: above 1/3); floor = the same fraction for planeval.lower_bound; EP64 = slots per GPU: "
+          "deepseek / default\n")
+    table(["load", "kind", "1 spare / GPU", "floor", "EP64", "2 spares / GPU", "floor", "EP64"], rows)
+    fr1 = [float(r[2].split()[0]) for r in rows]
+    fr2 = [float(r[5].split()[0]) for r in rows]
+    print(f"load and spare-count pairs above 1/3: {len(over)} of {2 * len(rows)}; worst mean fraction "
+          f"{max(fr1):.3f} (one spare), {max(fr2):.3f} (two spares); mean over loads {np.mean(fr1):.3f} / "
+          f"{np.mean(fr2):.3f}\n")
+    for name, load, spare in over:
+        N = load.shape[1]
+        fr = []
+        for M in EP_SIZES:
+            P = N + spare * M
+            d = imbalance(load, plan(load, M, P, policy="deepseek").physical_to_logical, M).mean()
+            w = plan(load, M, P, weighted=True)
+            fr.append((imbalance(load, w.physical_to_logical, M, share=w.shares).mean() - 1) / max(d - 1, 1e-300))
+        print(f"  {name}, {spare} spare(s): with weighted replicas (options.weighted) the mean fraction is "
+              f"{np.mean(fr):.3f}")
+    print()
+
+
 # ---- 7. drift ---------------------------------------------------------------------------------
 DRIFT_STEPS, DRIFT_WIDTH, DRIFT_BATCH = 240, 20, 130_000
 
@@ -460,10 +554,10 @@ def section_drift() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--only", choices=["balance", "topology", "moves", "speed", "shares", "predict", "drift"])
+    ap.add_argument("--only", choices=["balance", "topology", "moves", "speed", "shares", "predict", "drift", "synthetic"])
     args = ap.parse_args()
     print(f"numpy {np.__version__}, torch {torch.__version__}; balance figures: {PLANEVAL_SRC}\n")
-    data = traces() if args.only in (None, "balance", "topology", "shares") else []
+    data = traces() if args.only in (None, "balance", "topology", "shares", "synthetic") else []
     t0 = time.time()
     if args.only in (None, "balance"):
         section_balance(data)
@@ -479,6 +573,8 @@ def main() -> None:
         section_predict()
     if args.only in (None, "drift"):
         section_drift()
+    if args.only in (None, "synthetic"):
+        section_synthetic(data)
     print(f"(benchmark ran in {time.time() - t0:.0f} s)")
 
 
