@@ -17,13 +17,17 @@ The modules, one job each:
   heavy-with-light pairing (exhaustive when a row has few count vectors, e.g. 8 experts
   on 8 GPUs, otherwise a hill-climb);
 - `packing`: packing in rounds (heavy items to the light GPUs, light items to the heavy
-  ones), duplicate repair, and the refill of GPUs dominated by one hot item;
+  ones), duplicate repair, and the refill of GPUs dominated by one hot item (one GPU or
+  several: such a GPU gets the coldest experts);
 - `refinement`: pair exchanges between GPUs and moves aimed at the most loaded GPU
   (swaps, replica count changes);
-- `solve`: the from-scratch pipeline of the steps above, and on small problems one step
-  of count moves scored by re-packed placements;
-- `moves`: planning with `previous` (keep what is within `move_tolerance`, relabel the
-  rest so that experts stay where they were);
+- `solve`: the from-scratch pipeline of the steps above, and on small problems up to
+  three steps of count moves scored by re-packed placements (candidates among the hot
+  experts) and DeepSeek's own placement as a second candidate (duplicates repaired,
+  improved), kept per row when better: never worse than `deepseek` there;
+- `moves`: planning with `previous` (keep what is within the target, move the rest
+  through the change of replica counts or a few max-GPU moves, or relabel the
+  from-scratch plan so that experts stay where they were);
 - `topology`: expert groups onto nodes, then every (layer, node) is a row; on small
   problems a second candidate starts from DeepSeek's hierarchical placement (duplicates
   repaired) and the better one is kept per layer;
@@ -58,16 +62,22 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
     tie-breaks, iteration budgets from the problem size only, no randomness.
 
     `previous` (the placement in force) and `options.move_tolerance` (tol, default 0.03)
-    trade balance for moves. A layer is kept as it is if its max GPU load is already at
-    most (1 + tol) x the from-scratch plan's; otherwise the planner moves one or two slots
-    at a time from `previous`, aimed at the most loaded GPU (swaps, replica count
-    changes), until it is; a layer that does not get there takes the from-scratch plan
-    with its GPUs relabelled so that experts stay where they were when possible.
-    tol = 0: the from-scratch balance whatever it moves; 0.03 moves 16.6% of the copies
-    per rebalance in the ESFT replay of benchmarks/planner.py (DeepSeek from scratch:
-    92.1%) and is no worse out of sample there; larger values move less and accept more
-    in-sample imbalance (out of sample the differences are within the noise of the
-    windows, see benchmarks/README.md). On large problems (more than
+    trade balance for moves. A layer's target max GPU load is (1 + tol) x the
+    from-scratch plan's, and on small problems never more than DeepSeek's own
+    from-scratch plan of the same load (so that under a drifting load a kept layer is
+    not worse than re-planning with DeepSeek). A layer within its target is kept as it
+    is; otherwise two candidates start from `previous`: the move to the from-scratch
+    replica counts with one copy per changed count (`moves.transition`), and
+    `previous` itself, both then moved one or two slots at a time, aimed at the most
+    loaded GPU (swaps, replica count changes), until they reach the target; the one
+    that gets there with fewer copies is kept, and a layer that does not get there takes
+    the from-scratch plan with its GPUs relabelled so that experts stay where they were
+    when possible. tol = 0: the from-scratch balance whatever it moves; 0.03 moves
+    17.4% of the copies per rebalance in the ESFT jitter replay of benchmarks/planner.py
+    (DeepSeek from scratch: 92.1%) and is no worse out of sample there, and 11-16% of
+    DeepSeek's copies in the smooth-drift replays of the ESFT tasks (section 7); larger
+    values move less and accept more in-sample imbalance (see benchmarks/README.md).
+    On large problems (more than
     8192 slots over all layers) the step-by-step moves are skipped for time: a layer
     keeps its previous placement within tolerance, else takes the relabelled plan. In
     the hierarchical case the previous group-to-node assignment is kept while its max
