@@ -131,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=2, help="gpu: timed runs per GEMM (after one warm-up)")
     p.add_argument("--max-measured", type=int, default=2,
                    help="gpu: GPUs of a layer run for real (those within 5%% of the largest estimate)")
+    p.add_argument("--audit-every", type=int, default=150,
+                   help="gpu: every this many layers, measure all GPUs to check the pick (0 = never)")
     a = p.parse_args(argv)
     Ms = [int(x) for x in a.ep.split(",")]
     shape = MODEL_PRESETS["deepseek-v3"]
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         max_spares = max(SWEEP_SPARES) if not a.no_sweep else 1
         cost = GpuGemmCost(shape, shape.num_experts // min(Ms) + max_spares,
                            4 * max(TOKEN_PRESETS.values()) * shape.top_k, reps=a.reps,
-                           max_measured=a.max_measured)
+                           max_measured=a.max_measured, audit_every=a.audit_every)
     doc: dict = {"date": datetime.date.today().isoformat(), "cost": a.cost, "model": shape.name,
                  "window": WINDOW, "interval": INTERVAL, "main": [], "sweep": []}
     md = []

@@ -239,6 +239,12 @@ def test_gpu_cost_mechanics_on_cpu():
     assert out[0, 2] == c.measure([40, 30])
     ratio = (out[0, 1] + out[0, 2]) / (est[0, 1] + est[0, 2])
     assert out[0, 0] == pytest.approx(est[0, 0] * ratio)  # the others: estimates, rescaled
+    audited = GpuGemmCost(TINY, max_slots=4, max_tokens=256, device="cpu", bucket=4, max_measured=1,
+                          reps=1, audit_every=1)
+    audited(TINY, counts)
+    true_max = max(audited.measure(counts[0, g]) for g in range(3))
+    assert audited.audits == [audited.measure([100, 90, 80]) / true_max]
+    assert audited.stats()["audited_layers"] == 1
     big = c.measure([300])  # more tokens than the buffer: it grows
     assert big > 0 and c.x.shape[0] >= 300
     with pytest.raises(ValueError, match="exceeds the 4 slots"):

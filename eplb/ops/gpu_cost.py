@@ -15,7 +15,8 @@ and placement at EP 256 would take hours, so:
    GPU-idle fraction), scaled by the layer's measured / estimated ratio.
 
 Identical work (the same sorted token counts, rounded up to `bucket` tokens) is measured
-once and cached. `stats()` says how many GEMMs ran, how many the cache served, and how far
+once and cached. With `audit_every` k, every k-th layer also has all its GPUs measured, to
+check that the picked GPUs held the slowest one (`stats()["audit_min_ratio"]`). `stats()` says how many GEMMs ran, how many the cache served, and how far
 the estimates were from the measured times. On a CPU device (tests) the reference
 model's CPU path runs instead (`moe.experts.swiglu` per slot), timed with perf_counter.
 """
@@ -35,7 +36,7 @@ class GpuGemmCost:
 
     def __init__(self, shape: ModelShape, max_slots: int, max_tokens: int, device: str = "cuda",
                  bucket: int = 8, margin: float = 0.05, max_measured: int = 4, reps: int = 3,
-                 seed: int = 0) -> None:
+                 audit_every: int = 0, seed: int = 0) -> None:
         from moe.experts import GroupedExperts  # the reference model's expert weights
 
         if str(device).startswith("cuda"):
@@ -58,6 +59,8 @@ class GpuGemmCost:
         self.cache: dict[tuple[int, ...], float] = {}
         self.runs = self.hits = 0
         self.errors: list[float] = []  # estimate / measured - 1, per measured GPU
+        self.audit_every, self.layers_seen = audit_every, 0
+        self.audits: list[float] = []  # picked slowest / true slowest, per audited layer
         self.grid, self.single = self._calibrate()
 
     def _tokens(self, n: int) -> torch.Tensor:  # [n, H] bf16 activations
@@ -151,10 +154,18 @@ class GpuGemmCost:
             ratio = measured.sum() / e[pick].sum()
             out[layer] = e * ratio
             out[layer, pick] = measured
+            self.layers_seen += 1
+            if self.audit_every and self.layers_seen % self.audit_every == 0:  # measure every GPU
+                true = max(self.measure(counts[layer, g]) for g in range(counts.shape[1]))
+                self.audits.append(float(measured.max() / true))
         return out
 
     def stats(self) -> dict:
         err = np.abs(np.asarray(self.errors)) if self.errors else np.zeros(1)
+        audits = np.asarray(self.audits) if self.audits else np.ones(1)
         return {"gemms_run": self.runs, "cache_hits": self.hits, "calibration_points": len(self.grid),
                 "estimate_error_median": float(np.median(err)), "estimate_error_max": float(err.max()),
+                # layers where every GPU was measured: the picked slowest time over the true one
+                "audited_layers": len(self.audits), "audit_min_ratio": float(audits.min()),
+                "audit_exact_fraction": float(np.mean(audits >= 1 - 1e-12)),
                 "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"}
