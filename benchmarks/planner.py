@@ -421,6 +421,25 @@ def section_synthetic(data) -> None:
             if b > d + 1e-12:
                 worse += 1
                 worst.append(f"{name} EP{M} P={P} nodes={k}: {d:.4f} / {b:.4f}")
+    # P = N with hot experts: how far from optimal (the hottest expert's GPU holds at least
+    # the hottest expert and the s - 1 coldest others)
+    rows = []
+    for name, load in synthetic_loads():
+        if not name.startswith("hot"):
+            continue
+        N = load.shape[1]
+        for M in (16, 32):
+            s_ = N // M
+            srt = np.sort(load, 1)  # [L, N]
+            hot_bound = (srt[:, -1] + srt[:, :s_ - 1].sum(1)) / (load.sum(1) / M)  # [L]
+            bound = np.maximum(hot_bound, lower_bound(load, N, M))
+            d = imbalance(load, plan(load, M, N, policy="deepseek").physical_to_logical, M)
+            b = imbalance(load, plan(load, M, N).physical_to_logical, M)
+            rows.append([f"{name} EP{M}", f"{d.mean():.4f}", f"{b.mean():.4f}", f"{bound.mean():.4f}",
+                         f"{int(np.isclose(b, bound, rtol=1e-9).sum())} / {len(b)}"])
+    print("P = N with hot experts (max/mean, mean over layers); bound = max(planeval.lower_bound, the hottest "
+          "expert plus the s - 1 coldest others)\n")
+    table(["load", "deepseek", "default", "bound", "layers at the bound"], rows)
     print(f"never worse: {total} configurations (balance: EP 8-64, P = N and N + M; topology: 8 groups, "
           f"2-8 nodes, P = N and N + M) over {len(loads)} loads; default worse than deepseek in {worse}"
           + (": " + "; ".join(worst) if worst else "") + "\n")
