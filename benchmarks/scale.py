@@ -52,11 +52,11 @@ WINDOW = INTERVAL = 4
 LAYERS = 8  # ESFT layers replayed (evenly spaced of 26): the GPU run times them all
 
 
-def traces() -> dict[str, np.ndarray]:
-    """name -> [T, L, 64] loads (see the module docstring)."""
+def traces(shared: Path = SHARED) -> dict[str, np.ndarray]:
+    """name -> [T, L, 64] loads (see the module docstring); olmoe needs the shared traces."""
     out = {"esft": pick_layers(aggregate_steps(load_trace("esft"), 8), LAYERS)}  # packaged copy
-    if SHARED.is_dir():
-        dom = [np.load(SHARED / f"olmoe_olmoe_{d}_L0-7-15.npy") for d in OLMOE_DOMAINS]  # [3, 64] each
+    if shared.is_dir():
+        dom = [np.load(shared / f"olmoe_olmoe_{d}_L0-7-15.npy") for d in OLMOE_DOMAINS]  # [3, 64] each
         out["olmoe"] = np.repeat(np.stack(dom), 8, axis=0)  # [48, 3, 64]
     return out
 
@@ -128,16 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--traces", default="esft,olmoe")
     p.add_argument("--presets", default="decode,prefill")
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--shared", type=Path, default=SHARED, help="folder of the shared .npy traces (olmoe)")
     p.add_argument("--reps", type=int, default=2, help="gpu: timed runs per GEMM (after one warm-up)")
-    p.add_argument("--max-measured", type=int, default=2,
-                   help="gpu: GPUs of a layer run for real (those within 5%% of the largest estimate)")
+    p.add_argument("--max-measured", type=int, default=3,
+                   help="gpu: GPUs of a layer run for real (those within --margin of the largest estimate)")
+    p.add_argument("--margin", type=float, default=0.1, help="gpu: see --max-measured")
     p.add_argument("--audit-every", type=int, default=150,
                    help="gpu: every this many layers, measure all GPUs to check the pick (0 = never)")
     a = p.parse_args(argv)
     Ms = [int(x) for x in a.ep.split(",")]
     shape = MODEL_PRESETS["deepseek-v3"]
     link = LinkModel()
-    all_traces = traces()
+    all_traces = traces(a.shared)
     names = [t for t in a.traces.split(",") if t in all_traces]
     a.out.mkdir(parents=True, exist_ok=True)
     cost = AnalyticCost()
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         max_spares = max(SWEEP_SPARES) if not a.no_sweep else 1
         cost = GpuGemmCost(shape, shape.num_experts // min(Ms) + max_spares,
                            4 * max(TOKEN_PRESETS.values()) * shape.top_k, reps=a.reps,
-                           max_measured=a.max_measured, audit_every=a.audit_every)
+                           max_measured=a.max_measured, margin=a.margin, audit_every=a.audit_every)
     doc: dict = {"date": datetime.date.today().isoformat(), "cost": a.cost, "model": shape.name,
                  "window": WINDOW, "interval": INTERVAL, "main": [], "sweep": []}
     md = []

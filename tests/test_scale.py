@@ -269,3 +269,26 @@ def test_bench_scale_plan_cache_round_trips(tmp_path):
     b = scale_replay(trace, shape, 4, 20, 64, 2, 2, AnalyticCost(), LinkModel(gpus_per_node=2),
                      planned=(loads2, blocks2))
     assert a.to_dict() == b.to_dict()
+
+
+def test_gpu_cost_switches_to_a_fitted_estimate():
+    """After FIT_MIN measured GEMMs the estimate is the least-squares fit of the measured
+    times on the features, recomputed here with numpy's lstsq."""
+    from eplb.ops import gpu_cost
+    c = gpu_cost.GpuGemmCost(TINY, max_slots=3, max_tokens=64, device="cpu", bucket=1, reps=1)
+    assert c.coef is None
+    n = 0
+    while c.coef is None:
+        n += 1
+        c.measure([n, n % 7, 3])
+    assert len(c._times) == gpu_cost.FIT_MIN
+    keys = [tuple(sorted((v for v in k if v > 0), reverse=True)) for k in
+            [[g] for g in c.grid] + [[i, i % 7, 3] for i in range(1, n + 1)]]
+    X = np.array([[1, len(k), sum(k), sum(-(-v // 64) for v in k), sum(-(-v // 128) for v in k)] for k in keys],
+                 dtype=float)
+    y = np.array([c.cache[k] for k in keys])
+    coef = np.linalg.lstsq(X / y[:, None], np.ones(len(y)), rcond=None)[0]
+    assert np.allclose(c.coef, coef)
+    counts = np.array([[[5, 0, 2], [40, 30, 1]]])
+    want = [1, 2, 7, 2, 2] @ coef, [1, 3, 71, 3, 3] @ coef
+    assert np.allclose(c.estimate(counts)[0], want)

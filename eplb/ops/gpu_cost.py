@@ -5,10 +5,11 @@ counts, run by the reference model's kernel (`moe.experts.GroupedExperts`, bf16,
 `torch._grouped_mm`) and timed with CUDA events. Timing every GPU of every step, layer
 and placement at EP 256 would take hours, so:
 
-1. a calibration measures one slot's GEMM at token counts on a log grid; the estimate of
-   a GPU's time is the sum over its slots with tokens of the interpolated single-slot
-   times (grouped GEMMs of several slots run their groups side by side, so the sum is an
-   upper bound: it ranks GPUs, it does not give the layer time);
+1. an estimate ranks the GPUs of a layer: at first the sum over its slots of single-slot
+   times measured on a log grid of token counts (an upper bound: a grouped GEMM runs its
+   groups side by side), then, once 200 GEMMs ran, a least-squares fit of the measured
+   times on `features` (launch, slots with tokens, tokens, 64- and 128-row tiles), refit
+   whenever the measurements double;
 2. per layer, the GPUs whose estimate is within `margin` of the largest (at most
    `max_measured` of them) are run for real; the layer's slowest time is the largest of
    these measured times. The other GPUs keep their estimates (they only enter the
@@ -29,6 +30,17 @@ import torch
 
 from eplb.core.scale import ModelShape
 from moe.experts import swiglu
+
+
+FIT_MIN = 200  # measured GEMMs before the estimate switches to the fitted model
+
+
+def features(c: np.ndarray) -> np.ndarray:  # [..., S] token counts -> [..., 5]
+    """What a grouped GEMM's time depends on: a launch, the slots with tokens (weight
+    reads), the tokens (FLOPs), and the 64- and 128-row tiles the kernel pads each group to."""
+    nz = c > 0
+    return np.stack([np.ones(c.shape[:-1]), nz.sum(-1), c.sum(-1), np.ceil(c / 64).sum(-1),
+                     np.ceil(c / 128).sum(-1)], axis=-1)
 
 
 class GpuGemmCost:
@@ -61,6 +73,10 @@ class GpuGemmCost:
         self.errors: list[float] = []  # estimate / measured - 1, per measured GPU
         self.audit_every, self.layers_seen = audit_every, 0
         self.audits: list[float] = []  # picked slowest / true slowest, per audited layer
+        self._rows: list[np.ndarray] = []  # features of every measured GEMM
+        self._times: list[float] = []
+        self.coef: np.ndarray | None = None  # the fitted estimate, once FIT_MIN GEMMs ran
+        self._fitted_on = 0
         self.grid, self.single = self._calibrate()
 
     def _tokens(self, n: int) -> torch.Tensor:  # [n, H] bf16 activations
@@ -85,6 +101,10 @@ class GpuGemmCost:
             self.x = self._tokens(max(sum(key), 2 * self.x.shape[0]))
         self.cache[key] = t = self._time(key)
         self.runs += 1
+        self._rows.append(features(np.asarray(key, dtype=np.float64)))
+        self._times.append(t)
+        if len(self._times) >= FIT_MIN and len(self._times) >= 2 * self._fitted_on:
+            self._fit()
         return t
 
     def _time(self, key: tuple[int, ...]) -> float:
@@ -133,9 +153,19 @@ class GpuGemmCost:
         return grid, single
 
     def estimate(self, counts: np.ndarray) -> np.ndarray:  # [..., S] -> [...]
+        """Predicted seconds per GPU: the fitted model once enough GEMMs ran, else the sum
+        of single-slot times."""
         c = np.asarray(counts, dtype=np.float64)
+        if self.coef is not None:
+            return np.where(c.sum(-1) > 0, features(c) @ self.coef, 0.0)
         t = np.interp(c, self.grid, self.single, left=self.single[0])  # [..., S]
         return np.where(c > 0, t, 0.0).sum(-1)
+
+    def _fit(self) -> None:
+        """Least squares of the measured times on `features` (relative error: rows / time)."""
+        X, y = np.asarray(self._rows), np.asarray(self._times)  # [K, F], [K]
+        coef, *_ = np.linalg.lstsq(X / y[:, None], np.ones_like(y), rcond=None)
+        self.coef, self._fitted_on = coef, len(y)
 
     def __call__(self, shape: ModelShape, counts: np.ndarray) -> np.ndarray:  # [L, M, S] -> [L, M]
         if shape != self.shape:
@@ -163,9 +193,11 @@ class GpuGemmCost:
     def stats(self) -> dict:
         err = np.abs(np.asarray(self.errors)) if self.errors else np.zeros(1)
         audits = np.asarray(self.audits) if self.audits else np.ones(1)
+        q = np.percentile(audits, [5, 50])
         return {"gemms_run": self.runs, "cache_hits": self.hits, "calibration_points": len(self.grid),
                 "estimate_error_median": float(np.median(err)), "estimate_error_max": float(err.max()),
                 # layers where every GPU was measured: the picked slowest time over the true one
                 "audited_layers": len(self.audits), "audit_min_ratio": float(audits.min()),
+                "audit_p5_ratio": float(q[0]), "audit_median_ratio": float(q[1]),
                 "audit_exact_fraction": float(np.mean(audits >= 1 - 1e-12)),
                 "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"}
