@@ -213,7 +213,8 @@ def write(out: Path, doc: dict, md: list[str], cost, t_start: float) -> None:
 def main_table(name: str, preset: str, results) -> str:
     head = ("| EP | " + " | ".join(f"{k} tok/s (gain)" for k in PLACEMENTS) + " | default / oracle "
             "| default / deepseek |\n|" + "---|" * (len(PLACEMENTS) + 3))
-    lines = [f"**{name}, {preset}** (MoE layer ms in brackets under each tokens/s is in scale.json)", "", head]
+    lines = [f"**{name}, {preset}**: tokens/s (gain over static); layer times and idle fractions are in "
+             "scale.json", "", head]
     for r in results:
         cells = [f"{r.rows[k].tokens_per_s:,.0f} ({100 * r.gain_over_static(k):+.1f}%)" for k in PLACEMENTS]
         d, o, ds = (r.rows[k].tokens_per_s for k in ("default", "oracle", "deepseek"))
