@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from eplb.core.planning import plan
-from eplb.core.policy.moves import capped_targets, transition
+from eplb.core.policy.moves import transition
 from eplb.core.policy.packing import refill_hot
 from eplb.core.policy.rows import counts_of, has_duplicates, max_load
 from eplb.core.policy.solve import solve
@@ -76,27 +76,17 @@ def test_transition_copies_only_the_changed_counts():
     assert (max_load(w2, out, 16) < max_load(w2, old, 16)).all()
 
 
-def test_tolerance_never_keeps_layers_worse_than_deepseek_on_average():
+def test_tolerance_never_keeps_a_layer_worse_than_deepseek():
     # a generous tolerance would keep the previous placement; on small problems the
-    # targets are capped, on average over the layers, by DeepSeek's own plan of the load
+    # target is capped by DeepSeek's own plan of the same load
     rng = np.random.default_rng(3)
     a = rng.lognormal(0, 1, (4, 64))
     b = a * rng.lognormal(0, 0.4, a.shape)
     prev = plan(a, 16, 80)
     q = plan(b, 16, 80, previous=prev, move_tolerance=0.5)
     d = plan(b, 16, 80, policy="deepseek")
-    assert imb(q, b).mean() <= imb(d, b).mean() + 1e-9
+    assert (imb(q, b) <= imb(d, b) + 1e-9).all()
     assert (q.physical_to_logical != prev.physical_to_logical).mean() < 0.5
-
-
-def test_capped_targets_hold_the_mean_and_spend_the_slack():
-    edge = np.array([1.10, 1.10, 1.01, 1.05])
-    ref = np.array([1.02, 1.04, 1.08, np.inf])  # the last row: no reference, keeps its edge
-    t = capped_targets(edge, ref)
-    assert t[3] == 1.05 and (t <= edge).all()
-    assert t[:3].mean() <= ref[:3].mean() + 1e-12
-    assert t[:3].mean() >= ref[:3].mean() - 1e-9  # the slack of row 2 goes to rows 0, 1
-    assert t[0] > ref[0] and t[1] > ref[1]
 
 
 def test_smooth_drift_moves_a_third_of_deepseek_and_balances_as_well():

@@ -63,11 +63,9 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
 
     `previous` (the placement in force) and `options.move_tolerance` (tol, default 0.03)
     trade balance for moves. A layer's target max GPU load is (1 + tol) x the
-    from-scratch plan's, and on small problems the targets are on average over the
-    layers never above DeepSeek's own from-scratch plan of the same load (so that under
-    a drifting load kept layers are not worse than re-planning with DeepSeek; layers
-    where the tolerance is below DeepSeek leave room for the others, `moves.capped_targets`).
-    A layer within its target is kept as it
+    from-scratch plan's, and on small problems never more than DeepSeek's own
+    from-scratch plan of the same load (so that under a drifting load a kept layer is
+    not worse than re-planning with DeepSeek). A layer within its target is kept as it
     is; otherwise two candidates start from `previous`: the move to the from-scratch
     replica counts with one copy per changed count (`moves.transition`), and
     `previous` itself, both then moved one or two slots at a time, aimed at the most

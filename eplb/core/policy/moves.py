@@ -216,34 +216,10 @@ def _move_rows(w, old, scratch, target, m, cap, iters):
     return np.where(take_b[:, None], b, a)
 
 
-def capped_targets(edge: np.ndarray, ref: np.ndarray, iters: int = 50) -> np.ndarray:
-    """Targets min(edge, ref + lam) [R] for the max GPU load of every row: the tolerance
-    `edge` [R], capped by the reference `ref` [R] (DeepSeek's plan; inf where unknown)
-    plus the largest lam >= 0 for which the mean target is still at most the mean
-    reference. The cap holds on average over the rows (the per-step imbalance is a mean
-    over layers): rows where the tolerance is already below DeepSeek leave room for the
-    others, so that fewer rows have to move. Rows with an unknown reference keep edge."""
-    known = np.isfinite(ref)
-    if not known.any():
-        return edge.copy()
-    e, r = edge[known], ref[known]
-    lo, hi = 0.0, float(max((e - r).max(), 0.0))
-    for _ in range(iters):  # bisection: the mean of min(e, r + lam) grows with lam
-        mid = 0.5 * (lo + hi)
-        if np.minimum(e, r + mid).mean() <= r.mean():
-            lo = mid
-        else:
-            hi = mid
-    out = edge.copy()
-    out[known] = np.minimum(e, r + lo)
-    return out
-
-
 def plan_rows(w: np.ndarray, p: int, m: int, prev: Optional[np.ndarray], tol: float) -> np.ndarray:
     """Placement of rows w [R, n]: from scratch, or from `prev` [R, p] (rows of -1 = no
     previous) with at most (1 + tol) times the from-scratch max GPU load, and (on small
-    problems) on average over the rows at most the max GPU load of DeepSeek's own plan
-    (`capped_targets`). A row within
+    problems) at most the max GPU load of DeepSeek's own plan of the row. A row within
     that target keeps its previous placement; one above it moves as little as it can to
     reach it (`_move_rows`), else takes the from-scratch plan relabelled towards `prev`."""
     R, n = w.shape
@@ -263,11 +239,10 @@ def plan_rows(w: np.ndarray, p: int, m: int, prev: Optional[np.ndarray], tol: fl
     # two on one GPU); such rows restart from scratch, only relabelled
     ok_counts = counts_of(old, n).max(1) <= cap
     smax = max_load(w_r, scratch_r, m)  # [R'] the from-scratch max GPU load
-    # the tolerance, but on small problems (where DeepSeek's own from-scratch plan of the
-    # same load is known) on average over the rows never above DeepSeek's: under a
-    # drifting load rows kept at the edge of the tolerance would otherwise be worse than
-    # re-planning with DeepSeek every time
-    target = np.maximum(capped_targets((1.0 + tol) * smax, ref_r), smax) * (1 + 1e-12)
+    # the tolerance, but never above DeepSeek's own from-scratch placement of the same
+    # load (known on small problems): under a drifting load a layer kept at the edge of
+    # the tolerance would otherwise be worse than re-planning with DeepSeek every time
+    target = np.maximum(np.minimum((1.0 + tol) * smax, ref_r), smax) * (1 + 1e-12)
     local = old.copy()
     sel = np.nonzero(ok_counts)[0]
     if sel.size:
