@@ -171,6 +171,24 @@ class Block:
     record: RebalanceRecord | None = None  # None for oracle blocks
 
 
+def _replay_blocks(trace: np.ndarray, initial: Placement, steps: Sequence[int],
+                   plan_block: Callable[[int, int, Placement], tuple[Placement, RebalanceRecord | None]],
+                   progress: Callable[[], None] | None) -> list[Block]:
+    """One Block per plan at each of `steps`, serving up to the next (the last to the end of
+    `trace [T, L, N]`): `plan_block(start, end, current)` gives the placement put in force
+    and its record, `current` being the placement in force before `start`."""
+    ends = list(steps[1:]) + [trace.shape[0]]
+    blocks: list[Block] = []
+    current = initial
+    for s, e in zip(steps, ends):
+        new, record = plan_block(s, e, current)
+        blocks.append(Block(s, e, new, current, record))
+        current = new
+        if progress:
+            progress()
+    return blocks
+
+
 def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], window: int,
                   name: str, plan_kwargs: dict, decay: float = 1.0,
                   min_gain: float = DEFAULT_MIN_GAIN, bytes_per_expert: int | None = None,
@@ -178,12 +196,9 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
     """Policy `name` replanning at each of `steps` on the last `window` steps of `trace
     [T, L, N]` with the placement in force as `previous` (out of sample); one Block per
     plan, skipped plans (gain below `min_gain`) keeping the placement in force."""
-    T = trace.shape[0]
     M, P = initial.num_gpus, initial.num_slots
-    ends = list(steps[1:]) + [T]
-    blocks: list[Block] = []
-    current = initial
-    for s, e in zip(steps, ends):
+
+    def plan_block(s: int, e: int, current: Placement) -> tuple[Placement, RebalanceRecord]:
         load = window_load(trace, s, window, decay)  # [L, N]
         t0 = time.perf_counter()
         planned = plan(load, M, P, policy=name, previous=current, **plan_kwargs)
@@ -192,31 +207,22 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
         seconds = time.perf_counter() - t0
         st = transfer_stats(current.physical_to_logical, new.physical_to_logical, M, bytes_per_expert)
         predicted = float(step_imbalance(load[None], new).mean())
-        record = RebalanceRecord(s, st.slots_changed, st.experts_moved, st.local_copies,
-                                 st.bytes_moved, seconds, predicted, gain, not move)
-        blocks.append(Block(s, e, new, current, record))
-        current = new
-        if progress:
-            progress()
-    return blocks
+        return new, RebalanceRecord(s, st.slots_changed, st.experts_moved, st.local_copies,
+                                    st.bytes_moved, seconds, predicted, gain, not move)
+
+    return _replay_blocks(trace, initial, steps, plan_block, progress)
 
 
 def oracle_blocks(trace: np.ndarray, initial: Placement, steps: Sequence[int], name: str,
                   plan_kwargs: dict, progress: Callable[[], None] | None = None) -> list[Block]:
     """Policy `name` planning from scratch at each of `steps` on the very steps the plan
     will serve (`[s, next s)`): perfect foresight, the bound on what prediction can give."""
-    T = trace.shape[0]
     M, P = initial.num_gpus, initial.num_slots
-    ends = list(steps[1:]) + [T]
-    blocks: list[Block] = []
-    current = initial
-    for s, e in zip(steps, ends):
-        best = plan(trace[s:e].sum(0), M, P, policy=name, previous=None, **plan_kwargs)
-        blocks.append(Block(s, e, best, current))
-        current = best
-        if progress:
-            progress()
-    return blocks
+
+    def plan_block(s: int, e: int, current: Placement) -> tuple[Placement, None]:
+        return plan(trace[s:e].sum(0), M, P, policy=name, previous=None, **plan_kwargs), None
+
+    return _replay_blocks(trace, initial, steps, plan_block, progress)
 
 
 def simulate(
