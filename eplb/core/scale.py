@@ -347,7 +347,7 @@ def scale_replay(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots:
                 n_rebalances += 1
                 spent = move_seconds(b.previous, b.placement, shape, link) * layer_scale
                 rebalance_s += spent
-                moved += _experts_moved(b.previous, b.placement)
+                moved += _experts_moved(b)
             else:
                 spent = 0.0
             per_step_move = spent / serving_steps * interval / (b.end - b.start)  # per serving step
@@ -385,6 +385,11 @@ def scale_replay(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots:
     return ScaleResult(config, rows)
 
 
-def _experts_moved(old: Placement, new: Placement) -> int:
+def _experts_moved(b: Block) -> int:
+    """Remote receives of the rebalance that put `b` in force: the figure of its record (a
+    policy's block), counted only for blocks without one (the oracle's, cached plans)."""
+    if b.record is not None:
+        return b.record.experts_moved
     from eplb.core.transfer_plan import transfer_stats
+    old, new = b.previous, b.placement
     return transfer_stats(old.physical_to_logical, new.physical_to_logical, old.num_gpus).experts_moved
