@@ -199,29 +199,31 @@ def exchange_seconds(gpu_choices: np.ndarray, shape: ModelShape, link: LinkModel
 def move_seconds(old: Placement, new: Placement, shape: ModelShape, link: LinkModel) -> float:
     """Time to move `old` to `new`, layers one after another: per layer, the GPU that
     receives the most bytes (a new expert once per GPU, from a holder in its node when
-    there is one) at `transfer_efficiency` of the link."""
+    there is one) at `transfer_efficiency` of the link. Vectorised over layers, GPUs and
+    experts (like `transfer_stats`, which counts the same receives over all GPUs)."""
     o, w = old.physical_to_logical, new.physical_to_logical  # [L, P]
     L, P = o.shape
     M = old.num_gpus
-    S = P // M
-    n = min(link.gpus_per_node, M)
+    if o.size == 0:
+        return 0.0
+    n = min(link.gpus_per_node, M)  # GPU g is in node g // n
+    N = int(max(o.max(), w.max())) + 1
     bw_intra = link.intra_GBps * 1e9 * link.transfer_efficiency
     bw_inter = link.inter_GBps * 1e9 * link.transfer_efficiency
-    total = 0.0
-    for layer in range(L):
-        if np.array_equal(o[layer], w[layer]):
-            continue
-        held = o[layer].reshape(M, S)  # [M, S]
-        node_has = [set(held[g0:g0 + n].ravel().tolist()) for g0 in range(0, M, n)]
-        worst = 0.0
-        for g in range(M):
-            need = set(w[layer, g * S:(g + 1) * S].tolist()) - set(held[g].tolist())
-            intra = sum(1 for e in need if e in node_has[g // n])
-            inter = len(need) - intra
-            worst = max(worst, intra * shape.bytes_per_expert / bw_intra,
-                        inter * shape.bytes_per_expert / bw_inter)
-        total += worst
-    return total
+    gpu = np.arange(P) // (P // M)  # [P] the GPU of each slot
+    layer = np.arange(L)[:, None]  # [L, 1]
+    held = np.zeros((L, M, N), dtype=bool)  # [L, M, N] GPU holds expert before
+    held[layer, gpu, o] = True
+    node_has = np.zeros((L, -(-M // n), N), dtype=bool)  # [L, nodes, N] some GPU of the node does
+    node_has[layer, gpu // n, o] = True
+    need = np.zeros((L, M, N), dtype=bool)  # [L, M, N] GPU receives expert: new on it, not held
+    need[layer, gpu, w] = True
+    need &= ~held
+    n_need = need.sum(-1)  # [L, M]
+    n_intra = (need & node_has[:, np.arange(M) // n]).sum(-1)  # [L, M] from a holder in the node
+    B = shape.bytes_per_expert
+    worst = np.maximum(n_intra * B / bw_intra, (n_need - n_intra) * B / bw_inter).max(-1)  # [L]
+    return float(np.cumsum(worst)[-1])  # added up in layer order, as the layers run
 
 
 # ---- the replay -------------------------------------------------------------------------
