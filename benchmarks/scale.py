@@ -35,11 +35,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eplb.core.placement import Placement  # noqa: E402
-from eplb.core.scale import (MODEL_PRESETS, PLACEMENTS, TOKEN_PRESETS, AnalyticCost, LinkModel,  # noqa: E402
+from eplb.core.scale import (MODEL_PRESETS, PLACEMENTS, TOKEN_PRESETS, LinkModel,  # noqa: E402
                              plan_scale, scale_replay, topology)
 from eplb.core.simulate import Block, aggregate_steps  # noqa: E402
 from eplb.core.workload import load_trace  # noqa: E402
-from eplb.ops.scale_report import format_scale_table, pick_layers, plot_scale  # noqa: E402
+from eplb.ops.scale_report import format_scale_table, make_cost, pick_layers, plot_scale  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "traces" / "npy"
@@ -142,13 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     all_traces = traces(a.shared)
     names = [t for t in a.traces.split(",") if t in all_traces]
     a.out.mkdir(parents=True, exist_ok=True)
-    cost = AnalyticCost()
-    if a.cost == "gpu" and not a.plan_only:
-        from eplb.ops.gpu_cost import GpuGemmCost
-        max_spares = max(SWEEP_SPARES) if not a.no_sweep else 1
-        cost = GpuGemmCost(shape, shape.num_experts // min(Ms) + max_spares,
-                           4 * max(TOKEN_PRESETS.values()) * shape.top_k, reps=a.reps,
-                           max_measured=a.max_measured, margin=a.margin, audit_every=a.audit_every)
+    max_slots = shape.num_experts // min(Ms) + (1 if a.no_sweep else max(SWEEP_SPARES))  # per GPU
+    cost = make_cost("analytic" if a.plan_only else a.cost, shape, max_slots,  # plan-only times nothing
+                     max(TOKEN_PRESETS.values()), reps=a.reps, max_measured=a.max_measured,
+                     margin=a.margin, audit_every=a.audit_every)
     doc: dict = {"date": datetime.date.today().isoformat(), "cost": a.cost, "model": shape.name,
                  "window": WINDOW, "interval": INTERVAL, "main": [], "sweep": []}
     md = []

@@ -90,13 +90,16 @@ def pick_layers(trace: np.ndarray, k: int | None) -> np.ndarray:  # [T, L, N] ->
     return trace[:, np.unique(np.linspace(0, L - 1, k).round().astype(int))]
 
 
-def make_cost(kind: str, shape: ModelShape, Ms: Sequence[int], slots: Sequence[int], tokens: int,
-              a: argparse.Namespace):
+def make_cost(kind: str, shape: ModelShape, max_slots: int, tokens: int,
+              tflops: float = AnalyticCost.tflops, hbm_tbps: float = AnalyticCost.hbm_TBps,
+              **gpu_options):
+    """The expert cost of `--cost kind`: "analytic", `AnalyticCost(tflops, hbm_tbps)`; "gpu",
+    a `GpuGemmCost` on CUDA sized for `max_slots` slots per GPU and `tokens` tokens per GPU
+    per step (it grows on demand), given `gpu_options` (reps, max_measured, margin, ...)."""
     if kind == "analytic":
-        return AnalyticCost(a.tflops, a.hbm_tbps)
+        return AnalyticCost(tflops, hbm_tbps)
     from eplb.ops.gpu_cost import GpuGemmCost
-    max_slots = max(P // M for M, P in zip(Ms, slots))
-    return GpuGemmCost(shape, max_slots, 4 * tokens * shape.top_k, device="cuda")  # grows on demand
+    return GpuGemmCost(shape, max_slots, 4 * tokens * shape.top_k, device="cuda", **gpu_options)
 
 
 def run_cost(a: argparse.Namespace, trace: np.ndarray, source: str) -> int:
@@ -116,7 +119,8 @@ def run_cost(a: argparse.Namespace, trace: np.ndarray, source: str) -> int:
     slots = [a.num_slots if a.num_slots is not None else shape.num_experts + a.spare_slots_per_gpu * M
              for M in Ms]
     placements = [k for k in a.placements.split(",") if k]
-    cost = make_cost(a.cost, shape, Ms, slots, tokens, a)
+    cost = make_cost(a.cost, shape, max(P // M for M, P in zip(Ms, slots)), tokens, a.tflops,
+                     a.hbm_tbps)
     print(f"eplb simulate --cost {a.cost}: {source}: {T} steps x {L} layers x {Nt} experts as "
           f"{shape.name} (H {shape.hidden}, I {shape.intermediate}, N {shape.num_experts}, "
           f"top-{shape.top_k}, {shape.num_moe_layers} MoE layers); {tokens} tokens/GPU/step; window "
