@@ -3,6 +3,7 @@
     python benchmarks/planner.py              # every table (about 2 minutes on one core)
     python benchmarks/planner.py --only speed # one section: balance, topology, moves, speed, shares, predict,
                                               # drift, synthetic
+    python benchmarks/planner.py --only drift --drift-seeds 16   # the drift replays over 16 sampling seeds
 
 Balance figures follow the project's yardstick (../shared/tools/planeval.py when present,
 the same definition otherwise): per layer, max GPU load / mean GPU load, the tokens of an
@@ -565,20 +566,30 @@ def section_drift(seeds=(0, 1, 2, 3)) -> None:
         q = np.mean([r[1][:4] for r in runs], 0)
         wins = sum(r[1][2] <= r[0][2] for r in runs)
         ok = q[0] <= d[0] / 3 and q[2] <= d[2] + 1e-12
+        diff = np.array([r[1][2] - r[0][2] for r in runs])  # [seeds] paired: the same sampled trace
+        se = diff.std(ddof=1) / np.sqrt(diff.size) if diff.size > 1 else float("nan")
         rows.append([name, f"EP{M}, {P} slots, L={a.shape[0]}", f"{d[0]:,.0f}", f"{q[0]:,.0f}",
                      f"{q[0] / max(d[0], 1):.3f}", f"{d[2]:.4f}", f"{q[2]:.4f}{'' if q[2] <= d[2] + 1e-12 else ' !'}",
-                     f"{wins} / {len(seeds)}", "yes" if ok else "no", f"{q[3]:.1f}"])
+                     f"{diff.mean():+.4f} ± {se:.4f}", f"{wins} / {len(seeds)}", "yes" if ok else "no",
+                     f"{q[3]:.1f}"])
     table(["profiles A -> B", "shape", "copies moved deepseek", "copies moved default", "ratio",
-           "per-step imbalance deepseek", "per-step imbalance default", "seeds default <= deepseek", "both targets",
+           "per-step imbalance deepseek", "per-step imbalance default", "default - deepseek (paired, ± s.e.)",
+           "seeds default <= deepseek", "both targets",
            "default ms / plan"], rows)
     print("copies moved = slots whose expert changes, summed over the 10 rebalances; both targets = moved <= 1/3 of "
-          "deepseek's from scratch and per-step imbalance <= deepseek's (`!`: worse)\n")
+          "deepseek's from scratch and per-step imbalance <= deepseek's (`!`: worse); default - deepseek = mean over "
+          "seeds of the per-step difference on the same sampled trace, ± its standard error (a difference within about "
+          "two standard errors of 0 is sampling noise: more seeds, `--drift-seeds`, decide it)\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", choices=["balance", "topology", "moves", "speed", "shares", "predict", "drift", "synthetic"])
+    ap.add_argument("--drift-seeds", type=int, default=4, metavar="K",
+                    help="sampling seeds 0..K-1 of the drift section (default 4; every figure is their mean)")
     args = ap.parse_args()
+    if args.drift_seeds < 1:
+        ap.error(f"--drift-seeds must be >= 1, got {args.drift_seeds}")
     print(f"numpy {np.__version__}, torch {torch.__version__}; balance figures: {PLANEVAL_SRC}\n")
     data = traces() if args.only in (None, "balance", "topology", "shares", "synthetic") else []
     t0 = time.time()
@@ -595,7 +606,7 @@ def main() -> None:
     if args.only in (None, "predict"):
         section_predict()
     if args.only in (None, "drift"):
-        section_drift()
+        section_drift(seeds=tuple(range(args.drift_seeds)))
     if args.only in (None, "synthetic"):
         section_synthetic(data)
     print(f"(benchmark ran in {time.time() - t0:.0f} s)")
