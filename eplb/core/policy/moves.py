@@ -76,14 +76,11 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
         if live.size == 0:
             break
     match = match.reshape(R, m)
-    # leftovers: k-th unmatched new GPU takes the k-th free old GPU
+    # leftovers: k-th unmatched new GPU takes the k-th free old GPU. A row has as many of
+    # each, so the two lists of flat indices in row-major order pair them row by row
     unmatched = match < 0  # [R, m]
     if unmatched.any():
-        free_new = _stable_false_first(~unmatched)  # [R, m] unmatched first
-        free_old = _stable_false_first(taken.reshape(R, m))  # free first
-        left = np.arange(m)[None, :] < unmatched.sum(1, keepdims=True)
-        rr2 = np.broadcast_to(rows[:, None], (R, m))
-        match[rr2[left], free_new[left]] = free_old[left]
+        match.ravel()[np.flatnonzero(unmatched)] = np.flatnonzero(~taken) % m
     # slots inside each GPU: an expert that stays keeps its old slot (v_of), the k-th
     # newcomer of a GPU takes its k-th free slot
     if R * m * n <= _SLOT_MAP_MAX:
@@ -104,18 +101,12 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
     # old slots kept by their expert; a newcomer (v_of = -1) marks the extra column 0
     used = np.zeros((R * m, s + 1), dtype=bool)
     used.ravel()[v_of + np.arange(1, R * m * (s + 1), s + 1)[:, None]] = True
-    free = _stable_false_first(used[:, 1:])  # [R m, s] free slots first
-    # the k-th newcomer (index order) takes the k-th free slot, a stayer its old slot
-    # 1-based rank among the GPU's newcomers, from one flat running count (a cumsum along
-    # the short rows is slow), made a flat index into free
-    mover_rank = np.cumsum(~hit.ravel()).reshape(R * m, s)  # [R m, s]
-    row_base = np.empty(R * m, dtype=mover_rank.dtype)  # newcomers of the earlier GPUs
-    row_base[0] = 0
-    row_base[1:] = mover_rank[:-1, -1]
-    row_base -= np.arange(-1, R * m * s - 1, s)
-    mover_rank -= row_base[:, None]
-    np.maximum(mover_rank, 0, out=mover_rank)
-    dest = np.where(hit, v_of, free.ravel()[mover_rank]).reshape(R, m, s)
+    # the k-th newcomer (index order) takes the k-th free slot of its GPU, a stayer its old
+    # slot. Every GPU has as many free slots as newcomers (`new` holds an expert once per
+    # GPU), so the flat indices of both in row-major order pair them GPU by GPU
+    dest = v_of.astype(np.int64)  # [R m, s]
+    dest.ravel()[np.flatnonzero(~hit)] = np.flatnonzero(~used[:, 1:]) % s
+    dest = dest.reshape(R, m, s)
     dest += match[..., None] * s + (rows * p)[:, None, None]  # [R, m, s] flat slot of the result
     out = np.empty(new.shape, dtype=new.dtype)  # C order: ravel() is a view
     out.ravel()[dest] = E
@@ -127,15 +118,6 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
 
 
 _SLOT_MAP_MAX = 1 << 20  # align: (row, GPU, expert) entries up to which the old slots go through a map
-
-
-def _stable_false_first(b: np.ndarray) -> np.ndarray:
-    """Per row of the bool array b [R, X], the indices of the False entries in order, then
-    those of the True entries in order: a stable argsort of b. [R, X] -> [R, X]."""
-    X = b.shape[1]
-    ib = max(1, int(X).bit_length())
-    key = (b.astype(np.int64) << ib) | np.arange(X, dtype=np.int64)
-    return np.sort(key, axis=1) & ((1 << ib) - 1)
 
 
 def transition(w: np.ndarray, old: np.ndarray, c_new: np.ndarray, m: int) -> np.ndarray:
