@@ -3,10 +3,13 @@ other (the paired difference with the two per-step columns, the ratio with the t
 counts, the verdict with both), and a bad seed count is one clear error."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,11 +52,21 @@ def test_drift_section_figures_agree():
 def test_drift_paired_difference_and_its_standard_error(capsys):
     """The printed paired difference and standard error of one family, recomputed from the
     per-seed replays (the statistics by hand, not by the benchmark's code)."""
+    # the benchmark pins itself to one thread when imported; the rest of this process keeps
+    # its settings
+    threads = torch.get_num_threads()
+    env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import planner
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+        torch.set_num_threads(threads)
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     name, a, b, M, P = next(f for f in planner.drift_profiles() if "Zipf" in f[0])
     d, q = [], []
     for seed in (0, 1):
