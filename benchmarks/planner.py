@@ -564,9 +564,9 @@ def section_drift(seeds=(0, 1, 2, 3)) -> None:
                 for T in (drift_trace(a, b, seed=k) for k in seeds)]
         d = np.mean([r[0][:3] for r in runs], 0)
         q = np.mean([r[1][:4] for r in runs], 0)
-        wins = sum(r[1][2] <= r[0][2] for r in runs)
-        ok = q[0] <= d[0] / 3 and q[2] <= d[2] + 1e-12
         diff = np.array([r[1][2] - r[0][2] for r in runs])  # [seeds] paired: the same sampled trace
+        wins = int((diff <= 0).sum())
+        ok = q[0] <= d[0] / 3 and q[2] <= d[2] + 1e-12
         se = diff.std(ddof=1) / np.sqrt(diff.size) if diff.size > 1 else float("nan")
         rows.append([name, f"EP{M}, {P} slots, L={a.shape[0]}", f"{d[0]:,.0f}", f"{q[0]:,.0f}",
                      f"{q[0] / max(d[0], 1):.3f}", f"{d[2]:.4f}", f"{q[2]:.4f}{'' if q[2] <= d[2] + 1e-12 else ' !'}",

@@ -207,7 +207,7 @@ def move_seconds(old: Placement, new: Placement, shape: ModelShape, link: LinkMo
     if o.size == 0:
         return 0.0
     n = min(link.gpus_per_node, M)  # GPU g is in node g // n
-    N = int(max(o.max(), w.max())) + 1
+    N = old.num_logical_experts
     bw_intra = link.intra_GBps * 1e9 * link.transfer_efficiency
     bw_inter = link.inter_GBps * 1e9 * link.transfer_efficiency
     gpu = np.arange(P) // (P // M)  # [P] the GPU of each slot

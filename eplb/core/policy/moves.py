@@ -81,8 +81,7 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
     unmatched = match < 0  # [R, m]
     if unmatched.any():
         match.ravel()[np.flatnonzero(unmatched)] = np.flatnonzero(~taken) % m
-    # slots inside each GPU: an expert that stays keeps its old slot (v_of), the k-th
-    # newcomer of a GPU takes its k-th free slot
+    # slots inside each GPU: v_of, the old slot of an expert that stays (newcomers: below)
     if R * m * n <= _SLOT_MAP_MAX:
         # slot_of[(r, old GPU, expert)]: the last slot of that GPU holding the expert, or -1
         slot_dtype = np.int8 if s <= 127 else np.int32  # a slot inside a GPU; 1 byte when it fits
