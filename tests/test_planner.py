@@ -81,18 +81,40 @@ def test_more_slots_per_gpu_than_experts_falls_back():
     assert p.replica_count().sum() == 6 and (p.replica_count() >= 1).all()
 
 
+def _greedy_counts(w: np.ndarray, p: int, cap: int) -> np.ndarray:
+    """DeepSeek's rule written out: p - n times, one more replica for the expert with the
+    highest load per replica that is below the cap (ties: the lower expert id)."""
+    c = np.ones_like(w, dtype=np.int64)
+    for r in range(w.shape[0]):
+        for _ in range(p - w.shape[1]):
+            prio = np.where(c[r] < cap, w[r] / c[r], -1.0)
+            c[r, int(np.argmax(prio))] += 1
+    return c
+
+
 def test_replica_counts_match_deepseek_rule():
-    """Without the cap, the counts are DeepSeek's greedy (next replica to the highest load
-    per replica); the bisection must not change them."""
+    """The counts are DeepSeek's greedy (next replica to the highest load per replica,
+    at most `cap` each), ties and all: the candidate selection must not change them.
+    Cases: random loads, small integer loads (many exact ties, e.g. 2/2 = 1/1), zero
+    rows, one hot expert, caps that bind, p up to n x cap."""
     rng = np.random.default_rng(3)
     load = rng.integers(1, 10_000, (6, 32)).astype(float)
-    c = replica_counts(load, 48, cap=48)
-    greedy = np.ones_like(c)
-    for _ in range(16):
-        e = (load / greedy).argmax(1)
-        greedy[np.arange(6), e] += 1
-    assert np.array_equal(c, greedy)
-    assert (replica_counts(load, 48, cap=3) <= 3).all()
+    assert np.array_equal(replica_counts(load, 48, cap=48), _greedy_counts(load, 48, 48))
+    for t in range(300):
+        n, cap = int(rng.integers(1, 40)), int(rng.integers(2, 12))
+        p = int(rng.integers(n, n * cap + 1))
+        kind = t % 4
+        if kind == 0:
+            w = rng.random((3, n)) * 100
+        elif kind == 1:
+            w = rng.integers(0, 4, (3, n)).astype(float)
+        elif kind == 2:
+            w = np.zeros((3, n))
+            w[1, -1] = 5.0
+        else:
+            w = rng.choice([1.0, 2.0, 3.0, 4.0, 6.0], (3, n))
+        c = replica_counts(w, p, cap)
+        assert np.array_equal(c, _greedy_counts(w, p, cap)), (t, n, p, cap)
 
 
 # ---- balance on real loads ---------------------------------------------------------------

@@ -13,45 +13,51 @@ def replica_counts(w: np.ndarray, p: int, cap: int) -> np.ndarray:
     """Replicas per expert [R, n] (sum p per row, each in [1, cap]): the next replica
     always goes to the expert with the highest load per replica (DeepSeek's rule).
 
-    The greedy sequence takes the p - n largest values of {w_e / k : 1 <= k < cap};
-    a bisection on that threshold finds nearly all of them at once, a short greedy loop
-    adds the rest (ties go to the lower expert id, as with DeepSeek's argmax)."""
+    That greedy picks the p - n largest values of {w_e / k : 1 <= k < cap} (ties: the
+    lower expert id, then the lower k). The k-th value of the i-th heaviest expert
+    (i from 0) comes after at least (i + 1) k - 1 others (those of the i heavier experts
+    and its own smaller k), so only the pairs with (i + 1) k <= p - n can be picked:
+    about (p - n) ln(p - n) candidates per row, of which a partition keeps the p - n
+    largest."""
     R, n = w.shape
     extra = p - n
     c = np.ones((R, n), dtype=np.int64)
-    if extra <= 0:
+    if extra <= 0 or R == 0:
         return c
-    total = w.sum(1)  # [R]
-    pos = total > 0
-    safe_total = np.where(pos, total, 1.0)
-    # picks(t) = sum_e min(cap - 1, floor(w_e / t)) values >= t; picks(W / extra) <= extra
-    # and, unless the cap binds, picks(W / p) >= extra
-    lo = safe_total / p  # [R]
-    hi = safe_total / extra * (1 + 1e-12)  # [R]
-    limit = float(cap - 1)
-    buf = np.empty_like(w)
-    for _ in range(10):  # geometric bisection: hi/lo shrinks to (p / extra) ** (1 / 1024)
-        mid = np.sqrt(lo * hi)
-        np.divide(w, mid[:, None], out=buf)
-        np.floor(buf, out=buf)
-        np.minimum(buf, limit, out=buf)
-        over = buf.sum(1) > extra
-        lo = np.where(over, mid, lo)
-        hi = np.where(over, hi, mid)
-    np.divide(w, hi[:, None], out=buf)
-    np.floor(buf, out=buf)
-    np.minimum(buf, limit, out=buf)
-    buf[~pos] = 0
-    c += buf.astype(np.int64)
-    short = p - c.sum(1)  # [R] >= 0
-    rows = np.arange(R)
-    while short.max() > 0:  # few iterations unless many loads tie
-        prio = np.where(c < cap, w / c, -1.0)  # [R, n]
-        e = prio.argmax(1)  # [R] first maximum
-        r = rows[short > 0]
-        c[r, e[r]] += 1
-        short[r] -= 1
+    kmax = min(extra, cap - 1)  # most replicas one expert can add
+    heavy = argsort_rows(w, descending=True)[:, :min(extra, n)]  # [R, K] experts, heaviest first
+    i_of, k_of = _candidates(heavy.shape[1], extra, kmax)  # [C] rank and k of every candidate
+    expert = take(heavy, np.broadcast_to(i_of, (R, i_of.size)))  # [R, C]
+    value = take(w, expert) / k_of  # [R, C] w_e / k
+    # unique integer keys: value descending (its bits), then expert id and k ascending
+    tie = expert * kmax + (k_of - 1)  # [R, C] < n * kmax
+    ib = max(1, int(n * kmax).bit_length())
+    key = ((1 << (63 - ib)) - 1) - ((np.maximum(value, 0.0) + 0.0).view(np.int64) >> ib)
+    key <<= ib
+    key |= tie
+    if key.shape[1] > extra:
+        key = np.partition(key, extra - 1, axis=1)[:, :extra]  # [R, extra] the picks, any order
+    picked = (key & ((1 << ib) - 1)) // kmax  # [R, extra] expert of every pick
+    picked += (np.arange(R) * n)[:, None]
+    c += np.bincount(picked.ravel(), minlength=R * n).reshape(R, n)
     return c
+
+
+_CANDIDATES: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _candidates(K: int, extra: int, kmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rank i, k) of every (expert, replica) value `replica_counts` may pick: i < K,
+    1 <= k <= kmax, (i + 1) k <= extra. Two int64 arrays [C], i ascending then k."""
+    key = (K, extra, kmax)
+    if key not in _CANDIDATES:
+        i_of, k_of = [], []
+        for i in range(K):
+            ks = range(1, min(kmax, extra // (i + 1)) + 1)
+            i_of += [i] * len(ks)
+            k_of += list(ks)
+        _CANDIDATES[key] = (np.array(i_of, dtype=np.int64), np.array(k_of, dtype=np.int64))
+    return _CANDIDATES[key]
 
 
 def expand(c: np.ndarray, experts: Optional[np.ndarray] = None) -> np.ndarray:
