@@ -218,23 +218,31 @@ def plan_rows(w: np.ndarray, p: int, m: int, prev: Optional[np.ndarray], tol: fl
     w_r, scratch_r, ref_r = (w, scratch, ref) if every else (w[r], scratch[r], ref[r])
     # a previous placement may hold more than m replicas of an expert (not placeable without
     # two on one GPU); such rows restart from scratch, only relabelled
-    ok_counts = counts_of(old, n).max(1) <= cap
+    c_old = counts_of(old, n)  # [R', n]
+    ok_counts = c_old.max(1) <= cap
     smax = max_load(w_r, scratch_r, m)  # [R'] the from-scratch max GPU load
     # the tolerance, but never above DeepSeek's own from-scratch placement of the same
     # load (known on small problems): under a drifting load a layer kept at the edge of
     # the tolerance would otherwise be worse than re-planning with DeepSeek every time
     target = np.maximum(np.minimum((1.0 + tol) * smax, ref_r), smax) * (1 + 1e-12)
-    local = old.copy()
     sel = np.nonzero(ok_counts)[0]
-    if sel.size:
-        local[sel] = repair_duplicates(w_r[sel], old[sel], m)
-        iters = iterations(PREV_WORK, (sel.size * p) ** 2, PREV_ITERS)
-        # rows outside the tolerance move; large problems (iters 0): only the rows already
-        # within tolerance stay
-        rn = sel[max_load(w_r[sel], local[sel], m) > target[sel]] if iters > 0 else sel[:0]
-        if rn.size:
-            local[rn] = _move_rows(w_r[rn], local[rn], scratch_r[rn], target[rn], m, cap, iters)
-    reached = ok_counts & (max_load(w_r, local, m) <= target)  # (repaired rows hold no duplicates)
+    if sel.size == old.shape[0]:  # the usual case: no row copies
+        local = repair_duplicates(w_r, old, m)  # may be `old` itself: copied before writing
+    else:
+        local = old.copy()
+        if sel.size:
+            local[sel] = repair_duplicates(w_r[sel], old[sel], m)
+    # max GPU load of the previous placement (repairs swap slots, the counts stay c_old)
+    top = gpu_sums(take(w_r / np.maximum(c_old, 1), local), m).max(1)  # [R']
+    iters = iterations(PREV_WORK, (sel.size * p) ** 2, PREV_ITERS) if sel.size else 0
+    # rows outside the tolerance move; large problems (iters 0): only the rows already
+    # within tolerance stay
+    rn = sel[top[sel] > target[sel]] if iters > 0 else sel[:0]
+    if rn.size:
+        local = local.copy()
+        local[rn] = _move_rows(w_r[rn], local[rn], scratch_r[rn], target[rn], m, cap, iters)
+        top[rn] = max_load(w_r[rn], local[rn], m)  # moves change counts
+    reached = ok_counts & (top <= target)  # (repaired rows hold no duplicates)
     miss = np.nonzero(~reached)[0]
     if every and not reached.any():  # every row takes the relabelled plan
         return align(scratch, old, m, n)
