@@ -1,6 +1,7 @@
 """The `balanced` planner, round 3 (issue 17): never worse than `deepseek` when one or
 several experts are hotter than a GPU's share, the refill of a GPU dominated by one hot
-expert, moves through the change of replica counts (`transition`), the tolerance capped
+expert, moves through the change of replica counts (`transition`), the moves towards a
+target that fix the most loaded GPU first (`improve_max(fix=True)`), the tolerance capped
 by DeepSeek's own plan, and a small smooth-drift replay."""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from eplb.core.planning import plan
 from eplb.core.policy.moves import transition
+from eplb.core.policy.refinement import improve_max
 from eplb.core.policy.packing import refill_hot
 from eplb.core.policy.rows import counts_of, has_duplicates, max_load
 from eplb.core.policy.solve import solve
@@ -74,6 +76,34 @@ def test_transition_copies_only_the_changed_counts():
     assert (moved == changes).sum() >= 4
     # the new replicas go to the least loaded GPUs: better than the old placement
     assert (max_load(w2, out, 16) < max_load(w2, old, 16)).all()
+
+
+def test_fix_first_reaches_the_target_with_fewer_copies():
+    """Moving previous placements of drifted loads to (1 + 0.03) x the from-scratch max:
+    with `fix` (a move that brings the most loaded GPU within the target and puts no other
+    GPU above it first) every row that reached the target still does, and the changed
+    slots (the copies) are fewer over the batch and never more in a row by more than the
+    two of one swap."""
+    totals = {False: 0, True: 0}
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        L, N, M, P = 40, 64, 16, 80
+        load = np.round(1e4 / (np.argsort(rng.random((L, N)), 1) + 1.0) ** 0.9 * rng.uniform(0.5, 1.5, (L, N)))
+        prev = np.asarray(plan(load, M, P).physical_to_logical)
+        drift = load * rng.uniform(0.7, 1.3, load.shape)
+        target = 1.03 * max_load(drift, solve(drift, P, M), M)
+        rows = np.nonzero(max_load(drift, prev, M) > target)[0]
+        assert rows.size >= 30
+        out = {}
+        for fix in (False, True):
+            q, _ = improve_max(drift[rows], prev[rows], M, M, budget=80, target=target[rows], fix=fix)
+            assert not has_duplicates(q, M).any()
+            assert (counts_of(q, N) >= 1).all()
+            out[fix] = (max_load(drift[rows], q, M) <= target[rows], (q != prev[rows]).sum(1))
+            totals[fix] += int(out[fix][1].sum())
+        assert (out[True][0] >= out[False][0]).all()
+        assert (out[True][1] <= out[False][1] + 2).all()
+    assert totals[True] < totals[False]
 
 
 def test_tolerance_never_keeps_a_layer_worse_than_deepseek():

@@ -43,7 +43,7 @@ class EplbConfig:
     """Relative extra predicted imbalance the planner accepts to keep experts where they
     are (0 = best balance whatever it moves; larger = fewer moves). The default is the
     planner's (`eplb.core.policy.DEFAULT_MOVE_TOLERANCE`, 0.03). At 0.03 the ESFT
-    replay of benchmarks/planner.py moves 17.4% of the copies per rebalance (DeepSeek
+    replay of benchmarks/planner.py moves 15.8% of the copies per rebalance (DeepSeek
     EPLB: 92.1%) with no worse out-of-sample balance; trade-off table in
     benchmarks/README.md (planner section)."""
     min_gain: float = 0.01

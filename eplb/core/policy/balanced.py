@@ -20,7 +20,8 @@ The modules, one job each:
   ones), duplicate repair, and the refill of GPUs dominated by one hot item (one GPU or
   several: such a GPU gets the coldest experts);
 - `refinement`: pair exchanges between GPUs and moves aimed at the most loaded GPU
-  (swaps, replica count changes);
+  (swaps, replica count changes; towards a target, first those that bring that GPU
+  within it without putting another above it);
 - `solve`: the from-scratch pipeline of the steps above, and on small problems up to
   three steps of count moves scored by re-packed placements (candidates among the hot
   experts) and DeepSeek's own placement as a second candidate (duplicates repaired,
@@ -69,16 +70,18 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
     is; otherwise two candidates start from `previous`: the move to the from-scratch
     replica counts with one copy per changed count (`moves.transition`), and
     `previous` itself, both then moved one or two slots at a time, aimed at the most
-    loaded GPU (swaps, replica count changes), until they reach the target; the one
-    that gets there with fewer copies is kept, and a layer that does not get there takes
-    the from-scratch plan with its GPUs relabelled so that experts stay where they were
-    when possible. tol = 0: the from-scratch balance whatever it moves; 0.03 moves
-    17.4% of the copies per rebalance in the ESFT jitter replay of benchmarks/planner.py
-    (DeepSeek from scratch: 92.1%) and is no worse out of sample there, and 11-16% of
-    DeepSeek's copies in the smooth-drift replays of the ESFT tasks (section 7); larger
-    values move less and accept more in-sample imbalance (see benchmarks/README.md).
-    On large problems (more than
-    8192 slots over all layers) the step-by-step moves are skipped for time: a layer
+    loaded GPU (swaps, replica count changes), until they reach the target: first the
+    moves that bring that GPU within the target and put no other GPU above it (a count
+    change, one copy, before a swap, two), so that each overloaded GPU costs one move;
+    the one that gets there with fewer copies is kept, and a layer that does not get
+    there takes the from-scratch plan with its GPUs relabelled so that experts stay where
+    they were when possible. tol = 0: the from-scratch balance whatever it moves; 0.03
+    moves 15.8% of the copies per rebalance in the ESFT jitter replay of
+    benchmarks/planner.py (DeepSeek from scratch: 92.1%) and is no worse out of sample
+    there, and 11-16% of DeepSeek's copies in the smooth-drift replays of the ESFT tasks
+    (section 7); larger values move less and accept more in-sample imbalance (see
+    benchmarks/README.md). On large problems (more than 8192 slots over all layers) the
+    step-by-step moves are skipped for time: a layer
     keeps its previous placement within tolerance, else takes the relabelled plan. In
     the hierarchical case the previous group-to-node assignment is kept while its max
     node load is within the same tolerance.

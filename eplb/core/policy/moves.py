@@ -181,15 +181,16 @@ def transition(w: np.ndarray, old: np.ndarray, c_new: np.ndarray, m: int) -> np.
 def _move_rows(w, old, scratch, target, m, cap, iters):
     """Rows w [R', n] whose previous placement `old` [R', p] is above its `target` [R']
     max GPU load: two candidates that start from `old`, both improved by max-GPU moves
-    until they reach the target: `old` itself, and `old` moved to the from-scratch replica
+    (those that fix the most loaded GPU cleanly first: `improve_max(fix=True)`) until
+    they reach the target: `old` itself, and `old` moved to the from-scratch replica
     counts of `scratch` [R', p] (`transition`: one copy per changed count, so a drifting
     load costs the copies of its count changes, not a fresh packing). Per row the one
     that reaches the target with fewer moved slots is kept (neither: the lower max GPU
     load; the caller then takes the from-scratch plan). -> [R', p]"""
     n = w.shape[1]
-    a, _ = improve_max(w, old, m, cap, target=target, budget=iters)  # [R', p]
+    a, _ = improve_max(w, old, m, cap, target=target, budget=iters, fix=True)  # [R', p]
     b = transition(w, old, counts_of(scratch, n), m)
-    b, _ = improve_max(w, b, m, cap, target=target, budget=iters)
+    b, _ = improve_max(w, b, m, cap, target=target, budget=iters, fix=True)
     la, lb = max_load(w, a, m), max_load(w, b, m)  # [R']
     ma, mb = (a != old).sum(1), (b != old).sum(1)
     va, vb = la <= target, lb <= target

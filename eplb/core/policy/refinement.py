@@ -184,6 +184,7 @@ def improve_max(
     cap: int,
     budget: int,  # iterations at most (see eplb.core.policy.budgets)
     target: Optional[np.ndarray] = None,  # [R] stop a row once its max GPU load is at most this
+    fix: bool = False,  # with target: moves that bring g* within the target come first
 ) -> tuple[np.ndarray, np.ndarray]:
     """Local search on the most loaded GPU g* of every row: one move per row and
     iteration, the one with the lowest new max GPU load:
@@ -198,7 +199,14 @@ def improve_max(
     Swaps are scored exactly; count changes with an upper bound of the new max (GPUs
     that get lighter are counted at their old load), so an accepted move always lowers
     the row's max. Rows stop when no move improves or, with `target` [R], once their max
-    GPU load is at most the target. Returns (p2l [R, p], moves [R] made per row)."""
+    GPU load is at most the target. Returns (p2l [R, p], moves [R] made per row).
+
+    With `target` and `fix` (moves from a previous placement, where every changed slot is
+    a copy), the moves that put no other GPU above the target come first: one that brings
+    g* within the target (a count change, one copy, before a swap, two), else the count
+    change that lowers g* most. Each overloaded GPU then costs one move, and no move makes
+    a GPU within the target overloaded (which would cost another move later). Only
+    without such a move does the row take the move with the lowest new max."""
     R, p = p2l.shape
     n = w.shape[1]
     s = p // m
@@ -332,12 +340,38 @@ def improve_max(
         qc = np.concatenate([q1, q2], 1)
         bc = np.concatenate([b1, b2], 1)
         cm = sc.argmin(1)
+        fixing = None
+        if fix and target is not None:
+            lim = target[ra][:, None]  # [A, 1]
+            # clean: every GPU that gets heavier, g* aside, ends within the target
+            sw_ok = np.isfinite(score) & (new_o <= lim[..., None]).reshape(A_, -1)
+            sw_ok &= np.broadcast_to(new_g <= lim[..., None], new_o.shape).reshape(A_, -1)  # g* within target
+            cm_top = np.concatenate([top[:, None] - take(x, q1) + take(nb_all, b1), new_top], 1)  # g*'s new load
+            cm_clean = np.isfinite(sc) & (np.concatenate([take(emax, a1) + inc1, np.maximum(
+                take(emax, a2) + inc2, new_q)], 1) <= lim)
+            cm_fix = cm_clean & (cm_top <= lim)
+            cf = np.where(cm_fix, sc, np.inf).argmin(1)
+            sf = lexmin(np.where(sw_ok, score, np.inf), dsq)
+            # no single move brings g* within the target: the clean count change lowering g* most
+            cl = np.where(cm_clean, cm_top, np.inf).argmin(1)
+            f_cm = cm_fix[ar, cf]
+            f_sw = ~f_cm & sw_ok[ar, sf]
+            f_cl = ~f_cm & ~f_sw & (cm_clean & (cm_top < (top - eps[ra])[:, None]))[ar, cl]
+            fixing = f_cm | f_sw | f_cl
+            cm = np.where(f_cm, cf, np.where(f_cl, cl, cm))
+            sw = np.where(f_sw, sf, sw)
+            sw_score, sw_dsq = score[ar, sw], dsq[ar, sw]
+            sw_u = g_slots[ar, sw // O]
+            sw_v = other[ar, sw % O]
         cm_score = sc[ar, cm]
 
         use_count = cm_score < sw_score
         improve = np.where(use_count, cm_score < top - eps[ra],
                            (sw_score < top - eps[ra]) | ((sw_score <= top) & (sw_dsq < -eps[ra] * top)))
         improve &= np.isfinite(np.where(use_count, cm_score, sw_score))
+        if fixing is not None:
+            use_count = np.where(fixing, f_cm | f_cl, use_count)
+            improve |= fixing
         active[ra[~improve]] = False
         # apply swaps
         sel = improve & ~use_count
