@@ -9,7 +9,7 @@ import numpy as np
 from eplb.core.policy.budgets import PREV_ITERS, PREV_WORK, SMALL, iterations
 from eplb.core.policy.packing import repair_duplicates
 from eplb.core.policy.refinement import improve_max
-from eplb.core.policy.rows import argsort_rows, counts_of, gpu_sums, max_load, presence, take
+from eplb.core.policy.rows import argsort_rows, counts_of, gpu_sums, max_load, presence, slot_loads, take
 from eplb.core.policy.solve import solve
 
 
@@ -234,7 +234,7 @@ def plan_rows(w: np.ndarray, p: int, m: int, prev: Optional[np.ndarray], tol: fl
         if sel.size:
             local[sel] = repair_duplicates(w_r[sel], old[sel], m)
     # max GPU load of the previous placement (repairs swap slots, the counts stay c_old)
-    top = gpu_sums(take(w_r / np.maximum(c_old, 1), local), m).max(1)  # [R']
+    top = gpu_sums(slot_loads(w_r, local, c_old), m).max(1)  # [R']
     iters = iterations(PREV_WORK, (sel.size * p) ** 2, PREV_ITERS) if sel.size else 0
     # rows outside the tolerance move; large problems (iters 0): only the rows already
     # within tolerance stay

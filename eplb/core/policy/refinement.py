@@ -282,9 +282,6 @@ def improve_max(
         score = np.where(ok, score, np.inf).reshape(A_, -1)
         dsq = (new_g ** 2 + new_o ** 2 - o_load[:, None, :] ** 2).reshape(A_, -1) - (top ** 2)[:, None]
         sw = lexmin(score, dsq)
-        sw_score, sw_dsq = score[ar, sw], dsq[ar, sw]
-        sw_u = g_slots[ar, sw // O]
-        sw_v = other[ar, sw % O]
 
         # ---- count changes
         slot_load = load[ar[:, None], gpu[None, :]]  # [A, p]
@@ -308,9 +305,9 @@ def improve_max(
         q1 = np.tile(g_slots, (1, knew))
         a1 = take(P_, q1)
         ok1 = (take(C_, a1) >= 2) & np.isfinite(take(np.where(allowed, nb_all, np.inf), b1))
-        inc1 = take(inc_all, a1)
-        sc1 = np.maximum(np.maximum(top[:, None] - take(x, q1) + take(nb_all, b1), take(emax, a1) + inc1),
-                         v2[:, None])
+        top1 = top[:, None] - take(x, q1) + take(nb_all, b1)  # g*'s new load
+        grow1 = take(emax, a1) + take(inc_all, a1)  # the GPUs holding a, their new max
+        sc1 = np.maximum(np.maximum(top1, grow1), v2[:, None])
         sc1 = np.where(ok1, sc1, np.inf)
         # (ii) expert b on g* (its heaviest replicas) takes a slot q of one of the lightest GPUs
         if n_hot < s:
@@ -333,8 +330,9 @@ def improve_max(
         a_on_g = on[ra_, g1[:, None], a2]
         new_top = top[:, None] - take(dec_all, b2) + np.where(a_on_g, inc2, 0.0)
         new_q = take(load, gq) - take(x, q2) + take(nb_all, b2)
+        grow2 = take(emax, a2) + inc2
         untouched2 = np.where(gq == g2[:, None], v3[:, None], v2[:, None])
-        sc2 = np.maximum(np.maximum(new_top, new_q), np.maximum(take(emax, a2) + inc2, untouched2))
+        sc2 = np.maximum(np.maximum(new_top, new_q), np.maximum(grow2, untouched2))
         sc2 = np.where(ok2, sc2, np.inf)
         sc = np.concatenate([sc1, sc2], 1)
         qc = np.concatenate([q1, q2], 1)
@@ -346,9 +344,8 @@ def improve_max(
             # clean: every GPU that gets heavier, g* aside, ends within the target
             sw_ok = np.isfinite(score) & (new_o <= lim[..., None]).reshape(A_, -1)
             sw_ok &= np.broadcast_to(new_g <= lim[..., None], new_o.shape).reshape(A_, -1)  # g* within target
-            cm_top = np.concatenate([top[:, None] - take(x, q1) + take(nb_all, b1), new_top], 1)  # g*'s new load
-            cm_clean = np.isfinite(sc) & (np.concatenate([take(emax, a1) + inc1, np.maximum(
-                take(emax, a2) + inc2, new_q)], 1) <= lim)
+            cm_top = np.concatenate([top1, new_top], 1)  # g*'s new load
+            cm_clean = np.isfinite(sc) & (np.concatenate([grow1, np.maximum(grow2, new_q)], 1) <= lim)
             cm_fix = cm_clean & (cm_top <= lim)
             cf = np.where(cm_fix, sc, np.inf).argmin(1)
             sf = lexmin(np.where(sw_ok, score, np.inf), dsq)
@@ -360,9 +357,9 @@ def improve_max(
             fixing = f_cm | f_sw | f_cl
             cm = np.where(f_cm, cf, np.where(f_cl, cl, cm))
             sw = np.where(f_sw, sf, sw)
-            sw_score, sw_dsq = score[ar, sw], dsq[ar, sw]
-            sw_u = g_slots[ar, sw // O]
-            sw_v = other[ar, sw % O]
+        sw_score, sw_dsq = score[ar, sw], dsq[ar, sw]
+        sw_u = g_slots[ar, sw // O]
+        sw_v = other[ar, sw % O]
         cm_score = sc[ar, cm]
 
         use_count = cm_score < sw_score

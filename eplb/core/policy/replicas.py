@@ -6,7 +6,7 @@ from typing import Optional
 
 import numpy as np
 
-from eplb.core.policy.rows import REL_EPS, argsort_rows, take
+from eplb.core.policy.rows import REL_EPS, argsort_rows, sort_keys, take
 
 
 def replica_counts(w: np.ndarray, p: int, cap: int) -> np.ndarray:
@@ -29,12 +29,9 @@ def replica_counts(w: np.ndarray, p: int, cap: int) -> np.ndarray:
     i_of, k_of = _candidates(heavy.shape[1], extra, kmax)  # [C] rank and k of every candidate
     expert = take(heavy, np.broadcast_to(i_of, (R, i_of.size)))  # [R, C]
     value = take(w, expert) / k_of  # [R, C] w_e / k
-    # unique integer keys: value descending (its bits), then expert id and k ascending
-    tie = expert * kmax + (k_of - 1)  # [R, C] < n * kmax
+    # unique integer keys: value descending, then expert id and k ascending
     ib = max(1, int(n * kmax).bit_length())
-    key = ((1 << (63 - ib)) - 1) - ((np.maximum(value, 0.0) + 0.0).view(np.int64) >> ib)
-    key <<= ib
-    key |= tie
+    key = sort_keys(value, expert * kmax + (k_of - 1), ib, descending=True)  # [R, C]
     if key.shape[1] > extra:
         key = np.partition(key, extra - 1, axis=1)[:, :extra]  # [R, extra] the picks, any order
     picked = (key & ((1 << ib) - 1)) // kmax  # [R, extra] expert of every pick

@@ -20,17 +20,27 @@ def take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
     return a.ravel()[idx + off]
 
 
-def argsort_rows(v: np.ndarray, descending: bool = False) -> np.ndarray:
-    """Order of every row of the non-negative float array v [R, X], ties broken by the
-    lower index: the same permutation on every machine. Each row sorts unique integer
-    keys (value bits, then index), which is faster than an argsort and as deterministic
-    (values closer than ~1e-13 relative count as ties and keep index order)."""
-    R, X = v.shape
-    ib = max(1, int(X).bit_length())
+def sort_keys(v: np.ndarray, tie: np.ndarray, ib: int, descending: bool = False) -> np.ndarray:
+    """Integer keys that order like the non-negative floats v, then like the integers
+    tie (0 <= tie < 2**ib, broadcast against v): the value's bits without their ib lowest,
+    shifted, with tie in the low bits. Unique keys sort the same on every machine; values
+    closer than about 2**(ib - 52) relative count as ties."""
     bits = (np.maximum(v, 0.0) + 0.0).view(np.int64) >> ib  # monotone in v for v >= 0
     if descending:
         bits = ((1 << (63 - ib)) - 1) - bits
-    key = (bits << ib) | np.arange(X, dtype=np.int64)
+    bits <<= ib
+    bits |= tie
+    return bits
+
+
+def argsort_rows(v: np.ndarray, descending: bool = False) -> np.ndarray:
+    """Order of every row of the non-negative float array v [R, X], ties broken by the
+    lower index: the same permutation on every machine. Each row sorts unique integer
+    keys (`sort_keys`: value bits, then index), which is faster than an argsort and as
+    deterministic (values closer than ~1e-13 relative count as ties and keep index order)."""
+    R, X = v.shape
+    ib = max(1, int(X).bit_length())
+    key = sort_keys(v, np.arange(X, dtype=np.int64), ib, descending)
     return np.sort(key, axis=1) & ((1 << ib) - 1)
 
 
