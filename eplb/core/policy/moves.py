@@ -22,97 +22,114 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
     the rest are matched in index order. Inside a GPU, an expert that stays keeps its old
     slot and the k-th newcomer takes the k-th free slot. With `with_source`, also returns
     src [R, p]: the slot of `new` that every slot of the result comes from (to carry
-    per-slot data such as shares)."""
+    per-slot data such as shares).
+
+    Items are kept slot-major, [s, U] (U = R m GPUs, flat u = r m + g): passes over the s
+    slots of a GPU then run on long contiguous rows, and no temporary is larger than the
+    R p items except the (row, GPU, expert) slot map."""
     R, p = new.shape
     s = p // m
+    U = R * m
     rows = np.arange(R, dtype=np.int32)
-    # ids fit in int32 (n, p <= MAX_SLOTS): half the memory of int64 temporaries
-    # old GPU of the first old replica of every expert (experts absent from `old`: -1)
-    first = np.full(R * n, -1, dtype=np.int32)
-    flat_old = old.astype(np.int32)
-    flat_old += (rows * n)[:, None]
-    gpu_rev = np.repeat(np.arange(m - 1, -1, -1, dtype=np.int32), s)  # [p] GPU of the slots, reversed
-    first[flat_old[:, ::-1]] = gpu_rev  # written last = lowest slot wins (rows do not overlap)
-    E = new.reshape(R, m, s)  # [R, m, s]
-    Ei = new.astype(np.int32).reshape(R, m, s)
-    Ei += (rows * n)[:, None, None]
-    cand = first[Ei]  # [R, m, s] candidate old GPU per item
-    # ov: how many items of the same new GPU have the same candidate (a bincount); the
-    # bin of "no candidate" (cand = -1) counts 0
-    base = (rows[:, None] * m + np.arange(m, dtype=np.int32)) * (m + 1) + 1  # [R, m]
-    pair_key = cand + base[..., None]  # [R, m, s]
-    bins = np.bincount(pair_key.ravel(), minlength=R * m * (m + 1))
-    bins[base.ravel() - 1] = 0
-    ov = bins[pair_key]  # [R, m, s]
-    match = np.full(R * m, -1, dtype=np.int64)  # new GPU -> old GPU, flat [r * m + g]
-    taken = np.zeros(R * m, dtype=bool)  # old GPU already matched
-    row_m = (rows * m)[:, None]  # [R, 1]
-    cand_flat = np.maximum(cand, 0)
-    cand_flat += row_m[..., None]  # [R, m, s] flat old GPU
+    new_t = new.reshape(U, s).T  # [s, U] view
+    # ids fit in int32 (n, p <= MAX_SLOTS): (row, expert) keys r n + e
+    key_old = old.astype(np.int32)
+    key_old += (rows * n)[:, None]  # [R, p]
+    key_new = new_t.astype(np.int32, order="C")
+    key_new += np.repeat(rows * n, m)  # [s, U]
+    # cand: flat old GPU r m + g of the first old replica of every item's expert (absent: U)
+    first = np.full(R * n, U, dtype=np.int32)
+    first[key_old.ravel()[::-1]] = np.repeat(np.arange(U - 1, -1, -1, dtype=np.int32), s)  # written last = lowest slot wins
+    cand = first[key_new]  # [s, U]
+    # ov: how many items of the same new GPU have the same candidate (s comparison passes);
+    # an item without candidate counts 0
+    ov = np.zeros((s, U), dtype=np.int8 if s <= 127 else np.int64)
+    for k in range(s):
+        ov += cand == cand[k]
+    ov *= cand < U
+    # an item's proposal key, maximal over its GPU for the proposal: its overlap, then the
+    # lower slot (as argmax: the first maximum), then its candidate in the low digits. An
+    # item whose candidate is taken (or absent) keeps `low`: overlap 0, candidate U
+    rev = np.arange(s - 1, -1, -1, dtype=np.int64)[:, None]  # [s, 1]
+    okey = ov * np.int64(s) + rev
+    okey *= U + 1
+    okey += cand  # [s, U]
+    low = rev * (U + 1) + U  # [s, 1]
+    match = np.full(U, -1, dtype=np.int64)  # new GPU -> flat old GPU r m + g'
+    taken = np.zeros(U + 1, dtype=bool)  # old GPU already matched (U: none)
+    # every old GPU is proposed to in one round at most (it then takes its best proposer),
+    # so `top` needs no reset between rounds
+    top = np.full(U + 1, -1, dtype=np.int64)
     # every round works on the new GPUs still proposing: a matched GPU, or one whose best
     # score was 0 (scores only drop as old GPUs are taken), never proposes again
-    live = np.arange(R * m)  # [U] flat new GPU
-    c_live = cand_flat.reshape(R * m, s)  # [U, s]
-    ov_live = ov.reshape(R * m, s)
-    key_live = np.tile(m - np.arange(m), R)  # [U] lower new GPU index wins ties
-    top = np.full(R * m, -1, dtype=np.int64)
-    for _ in range(rounds):
-        score = np.where(taken[c_live], 0, ov_live)  # [U, s]
-        pick = score.argmax(1)
-        u = np.arange(live.size)
-        best = score[u, pick]  # [U]
-        propose = best > 0
-        if not propose.any():
+    live = np.arange(U)  # [U'] flat new GPU
+    tie = np.broadcast_to(np.arange(m, 0, -1), (R, m)).ravel()  # [U'] m - g: the lower new GPU wins ties
+    c_live, k_live = cand, okey  # [s, U']
+    for rnd in range(rounds):
+        score = k_live if rnd == 0 else np.where(taken[c_live], low, k_live)  # [s, U'] (nothing taken in round 0)
+        best, tflat = np.divmod(score.max(0), s * (U + 1))  # [U'] best overlap, (slot, old GPU) digits
+        tflat %= U + 1  # [U'] flat old GPU proposed to (U: no proposal)
+        key = best * (m + 1) + tie  # [U'] unique per new GPU
+        np.maximum.at(top, tflat, key)
+        top[U] = -1  # the non-proposers' dummy: nobody wins it
+        win = key == top[tflat]  # [U']
+        w = np.flatnonzero(win)
+        if w.size == 0:  # no proposal
             break
-        tflat = c_live[u, pick]  # [U] flat old GPU
-        key = best * (m + 1) + key_live  # [U] unique per new GPU
-        top[tflat[propose]] = -1
-        np.maximum.at(top, tflat[propose], key[propose])
-        win = propose & (key == top[tflat])
-        match[live[win]] = tflat[win] - live[win] // m * m
-        taken[tflat[win]] = True
-        stay = propose & ~win
-        live, c_live, ov_live, key_live = live[stay], c_live[stay], ov_live[stay], key_live[stay]
+        tw = tflat[w]
+        match[live[w]] = tw
+        taken[tw] = True
+        stay = np.flatnonzero((tflat < U) ^ win)  # proposed, not accepted
+        live, tie, c_live, k_live = live[stay], tie[stay], c_live[:, stay], k_live[:, stay]
         if live.size == 0:
             break
-    match = match.reshape(R, m)
     # leftovers: k-th unmatched new GPU takes the k-th free old GPU. A row has as many of
     # each, so the two lists of flat indices in row-major order pair them row by row
-    unmatched = match < 0  # [R, m]
+    unmatched = match < 0  # [U]
     if unmatched.any():
-        match.ravel()[np.flatnonzero(unmatched)] = np.flatnonzero(~taken) % m
-    # slots inside each GPU: v_of, the old slot of an expert that stays (newcomers: below)
-    if R * m * n <= _SLOT_MAP_MAX:
-        # slot_of[(r, old GPU, expert)]: the last slot of that GPU holding the expert, or -1
-        slot_dtype = np.int8 if s <= 127 else np.int32  # a slot inside a GPU; 1 byte when it fits
-        slot_of = np.full(R * m * n, -1, dtype=slot_dtype)
-        old_key = old.reshape(R, m, s) + ((rows[:, None] * m + np.arange(m, dtype=np.int32)) * n)[..., None]
-        slot_of[old_key.ravel()] = np.tile(np.arange(s, dtype=slot_dtype), R * m)  # last write = highest slot
-        new_key = E + ((rows[:, None] * m + match) * n)[..., None]  # [R, m, s] (r, matched old GPU, expert)
-        v_of = slot_of[new_key].reshape(R * m, s)  # [R m, s] old slot of new item u, or -1
+        match[unmatched] = np.flatnonzero(~taken[:U])
+    # slots inside each GPU: v_of, the old slot of an expert that stays (the last slot of
+    # its matched old GPU holding it; newcomers -1)
+    slot_dtype = np.int8 if s <= 127 else np.int32  # a slot inside a GPU; 1 byte when it fits
+    if U * n <= _SLOT_MAP_MAX:
+        # slot_of[(old GPU, expert)]: the last slot of that GPU holding the expert, or -1
+        slot_of = np.full(U * n, -1, dtype=slot_dtype)
+        old_key = old.reshape(U, s) + (np.arange(U) * n)[:, None]
+        slot_of[old_key.ravel()] = np.tile(np.arange(s, dtype=slot_dtype), U)  # last write = highest slot
+        v_of = slot_of[np.add(new_t, match * n, order="C")]  # [s, U]
     else:  # many GPUs and experts, few slots per GPU: s comparison passes cost less than the map
-        held = old.reshape(R, m, s)[rows[:, None], match].reshape(R * m, s)  # old content of the matched GPU
-        v_of = np.full((R * m, s), -1, dtype=np.int64)
-        E2 = E.reshape(R * m, s)
+        held = key_old.reshape(U, s).T.take(match, axis=1)  # [s, U] old content of the matched GPU
+        v_of = np.full((s, U), -1, dtype=slot_dtype)
         for v in range(s):
-            v_of[E2 == held[:, v:v + 1]] = v
-    hit = v_of >= 0  # [R m, s]
-    # old slots kept by their expert; a newcomer (v_of = -1) marks the extra column 0
-    used = np.zeros((R * m, s + 1), dtype=bool)
-    used.ravel()[v_of + np.arange(1, R * m * (s + 1), s + 1)[:, None]] = True
-    # the k-th newcomer (index order) takes the k-th free slot of its GPU, a stayer its old
-    # slot. Every GPU has as many free slots as newcomers (`new` holds an expert once per
-    # GPU), so the flat indices of both in row-major order pair them GPU by GPU
-    dest = v_of.astype(np.int64)  # [R m, s]
-    dest.ravel()[np.flatnonzero(~hit)] = np.flatnonzero(~used[:, 1:]) % s
-    dest = dest.reshape(R, m, s)
-    dest += match[..., None] * s + (rows * p)[:, None, None]  # [R, m, s] flat slot of the result
+            v_of[key_new == held[v]] = v  # last write = highest slot
+    # fc[t]: free old slots among 0..t of the matched GPU (not kept by a stayer)  [s, U]
+    fc = np.empty((s, U), dtype=slot_dtype)
+    run = np.zeros(U, dtype=slot_dtype)
+    for t in range(s):
+        run += ~(v_of == t).any(0)
+        fc[t] = run
+    # the k-th newcomer (1-based, in slot order) takes the k-th free slot: the number of
+    # slots t with fc[t] < k. Every GPU has as many free slots as newcomers (`new` holds
+    # an expert once per GPU)
+    newcomer = v_of < 0
+    q = np.empty((s, U), dtype=slot_dtype)  # newcomers among slots 0..j
+    q[0] = newcomer[0]
+    for j in range(1, s):
+        np.add(q[j - 1], newcomer[j], out=q[j])
+    if not np.array_equal(q[s - 1], fc[s - 1]):  # two stayers of one GPU on one old slot
+        raise ValueError("align: a GPU of `new` holds an expert twice")
+    q *= newcomer  # [s, U] newcomer rank, 0 for a stayer
+    slot = np.maximum(v_of, 0)
+    for t in range(s):
+        slot += fc[t] < q
+    # flat slot of the result, GPU-major like `new`
+    dest = slot.T + (match * s)[:, None]  # [U, s]
     out = np.empty(new.shape, dtype=new.dtype)  # C order: ravel() is a view
-    out.ravel()[dest] = E
+    out.ravel()[dest] = new.reshape(U, s)
     if not with_source:
         return out
     source = np.empty(new.shape, dtype=new.dtype)
-    source.ravel()[dest] = np.arange(p).reshape(1, m, s)
+    source.ravel()[dest.reshape(R, m, s)] = np.arange(p).reshape(m, s)
     return out, source
 
 
