@@ -2,6 +2,8 @@
 light items, duplicate repair, and the refill of GPUs dominated by one hot item."""
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from eplb.core.policy.replicas import expand
@@ -21,66 +23,78 @@ def pack(w: np.ndarray, c: np.ndarray, m: int) -> np.ndarray:
     p = int(c[0].sum())
     s = p // m
     piece = w / c  # [R, n]
-    order = argsort_rows(piece, descending=True)  # [R, n] experts heavy first
-    items = expand(take(c, order), order)  # [R, p] expert of each item, heavy first
-    sizes = take(piece, items)  # [R, p]
-    load = np.zeros((R, m))  # [R, m] >= 0, never -0.0: its bits order like its values
-    rows = np.arange(R)
-    row_m = (rows * m)[:, None]
-    row_p = (rows * p)[:, None]
-    j = np.arange(m)[None, :]
-    jm = j - m
+    order = _heavy_first(piece)  # [R, n] experts heavy first
+    rows = np.arange(R, dtype=np.int64)
+    order += (rows * n)[:, None]  # flat expert r * n + e
+    items = np.repeat(order.ravel(), c.ravel()[order.ravel()])  # [R * p] flat expert of each item, heavy first
+    sizes = piece.ravel()[items]  # [R * p]
+    held = np.zeros(R * n * m, dtype=bool)  # GPU holds expert, flat [(r * n + e) * m + g]
+    hold = items * m  # [R * p] flat (expert, GPU 0) of every item in held
+    # The arrays of a round are [R, m] (item j of the round, in row r) and contiguous:
+    # an operation that broadcasts an [R, 1] array costs a loop per row.
+    row_m = np.repeat(rows * m, m).reshape(R, m)  # [R, m] r * m
+    j = np.tile(np.arange(m, dtype=np.int64), R).reshape(R, m)  # [R, m] j
     ib = max(1, int(m).bit_length())  # argsort_rows(load) inlined: keys = value bits, then GPU index
     low = (1 << ib) - 1
-    held = np.zeros(R * m * n, dtype=bool)  # GPU holds expert, flat [(r * m + g) * n + e]
-    gpu_of = np.empty((R, m, s), dtype=np.int64)  # [R, item j of round, round] GPU taking it
-    item_of = np.empty((R, m, s), dtype=np.int64)  # ... and its expert; p2l is written once at the end
-    items_flat, sizes_flat = items.ravel(), sizes.ravel()
+    # Item j of round t >= 1 takes the flat item base (the next heavy items) when its GPU
+    # is open, else base + p - m (t + 1) (the last light items left), where
+    # base = r * p + m t + j - (GPUs closed in the rounds before).
+    base = (rows * p)[:, None] + j  # [R, m]
+    gpus = np.empty((R, m), dtype=np.int64)  # [R, m] GPU of item j of the round
+    pick = np.empty((R, m), dtype=np.int64)  # [R, m] flat item j of the round
+    gflat = np.empty((R, m), dtype=np.int64)  # [R, m] its flat GPU r * m + g
+    taken = np.empty((s, R, m), dtype=np.int64)  # [round, R, GPU] flat item taken; p2l is read from it at the end
     # round 0: the m heaviest items to GPUs 0..m-1 (all loads 0, nothing held yet)
-    pick = row_p + j  # [R, m] flat item
-    e = items_flat[pick]
-    gflat = row_m + j
-    held[gflat * n + e] = True
-    gpu_of[..., 0] = j
-    item_of[..., 0] = e
-    load.ravel()[gflat] += sizes_flat[pick]
-    front = row_p + m  # [R, 1] flat index of the next heavy item
-    back = row_p + p  # [R, 1] one past the last light item left
+    taken[0] = base
+    held[hold[base] + j] = True
+    load = sizes[base] + 0.0  # [R, m] >= 0, never -0.0: its bits order like its values
+    base += m
     for rnd in range(1, s):
         # GPUs at or above the current mean load are closed
         mean = np.add.reduce(load, axis=1, keepdims=True)
         mean /= m  # = load.mean(1, keepdims=True), bit for bit, without its Python overhead
-        closed = np.add.reduce(load >= mean, axis=1, dtype=np.int64, keepdims=True)
-        nopen = m - closed
-        key = load.view(np.int64) >> ib
-        key <<= ib
-        key |= j
-        key.sort(axis=1)
-        key &= low
-        gpus = key  # [R, m] lightest first; closed GPUs come last
-        pick = np.where(j < nopen, front + j, back + jm)  # [R, m] flat item
-        e = items_flat[pick]  # [R, m]
-        gflat = gpus + row_m
-        hkey = gflat * n
-        hkey += e
+        closed = np.add.reduce(load >= mean, axis=1, dtype=np.int64)  # [R]
+        nopen = np.repeat(m - closed, m).reshape(R, m)  # [R, m] open GPUs of the row
+        np.bitwise_and(load.view(np.int64), ~low, out=gpus)
+        gpus |= j
+        gpus.sort(axis=1)
+        gpus &= low  # [R, m] lightest first; closed GPUs come last
+        np.multiply(j >= nopen, p - m * (rnd + 1), out=pick)  # items j >= nopen go to closed GPUs
+        pick += base
+        base += nopen
+        em = hold[pick]  # [R, m]
+        hkey = em + gpus
         bad = held[hkey]
-        if bad.any():
-            gpus = _untangle(gpus, e, bad, held, row_m, n)
-            gflat = gpus + row_m
-            hkey = gflat * n
-            hkey += e
+        if np.count_nonzero(bad):
+            _untangle(gpus, em, bad, held)
+            np.add(em, gpus, out=hkey)
         held[hkey] = True
-        gpu_of[..., rnd] = gpus
-        item_of[..., rnd] = e
-        load.ravel()[gflat] += sizes_flat[pick]
-        front += nopen
-        back -= closed
-    p2l = np.empty(R * p, dtype=np.int64)
-    gpu_of *= s
-    gpu_of += np.arange(s)  # slot of the item: GPU * s + round
-    gpu_of += row_p[..., None]
-    p2l[gpu_of] = item_of
+        np.add(gpus, row_m, out=gflat)
+        now = taken[rnd]  # [R, GPU]
+        now.ravel()[gflat] = pick
+        load += sizes[now]  # one addition per GPU, as load[r, gpus[r, j]] += sizes[pick[r, j]]
+    p2l = items.take(taken.transpose(1, 2, 0))  # [R, GPU, round]: slot GPU * s + round
+    p2l -= (rows * n)[:, None, None]  # expert ids within the row
     return p2l.reshape(R, p)
+
+
+def _heavy_first(v: np.ndarray) -> np.ndarray:
+    """`argsort_rows(v, descending=True)`, bit for bit (int64 arithmetic wraps the same
+    way), in fewer passes: its key (K - (bits >> ib)) << ib | index, with
+    K = 2 ** (63 - ib) - 1, equals (K << ib) + index - (bits & ~low), since
+    (bits >> ib) << ib = bits & ~low and the low ib bits of (K << ib) - (bits & ~low)
+    are 0. [R, X] -> [R, X]."""
+    X = v.shape[1]
+    ib = max(1, int(X).bit_length())
+    low = (1 << ib) - 1
+    bits = np.maximum(v, 0.0)
+    bits += 0.0
+    key = bits.view(np.int64)
+    key &= ~low
+    np.subtract((((1 << (63 - ib)) - 1) << ib) + np.arange(X, dtype=np.int64), key, out=key)
+    key.sort(axis=1)
+    key &= low
+    return key
 
 
 def pack_pairs(w: np.ndarray, c: np.ndarray, m: int) -> np.ndarray:
@@ -97,51 +111,63 @@ def pack_pairs(w: np.ndarray, c: np.ndarray, m: int) -> np.ndarray:
     return p2l
 
 
-def _untangle(gpus, e, bad, held, row_m, n):
-    """Within one packing round (item j of row r goes to GPU gpus[r, j]), let every item
-    whose expert that GPU already holds trade GPUs with the nearest item of the round
-    for which both GPUs are free of the other's expert. [R, m] -> [R, m]."""
-    gpus = gpus.copy()
-    m = gpus.shape[1]
+@lru_cache(maxsize=None)
+def _distances(m: int) -> np.ndarray:
+    """[m, m] |j - j0| (read-only)."""
     j = np.arange(m)
-    absd = np.abs(j[None, :] - j[:, None])  # [m, m] |j - j0|
-    rb = np.nonzero(bad.any(1))[0]  # rows with a conflict; only these ever change
-    bad = bad[rb]  # [B, m]
-    g = gpus[rb]  # [B, m] kept up to date
-    ee = e[rb]
-    rmn = row_m[rb] * n  # [B, 1]
-    live = np.arange(rb.size)  # rows of rb still with a conflict
+    d = np.abs(j[None, :] - j[:, None])
+    d.flags.writeable = False
+    return d
+
+
+def _untangle(gpus, em, bad, held):
+    """Within one packing round (item j of row r goes to GPU gpus[r, j]; em[r, j] + g is
+    the flat index in held of its expert on GPU g), let every item whose expert that GPU
+    already holds trade GPUs with the nearest item of the round for which both GPUs are
+    free of the other's expert. bad [R, m]: the items in conflict. Changes gpus in place."""
+    R, m = gpus.shape
+    dist0 = _distances(m)  # [m, m] |j - j0|
+    j0 = bad.argmax(1)  # [R] first bad item
+    rows = bad.ravel()[np.arange(0, R * m, m) + j0].nonzero()[0]  # [B] rows with a conflict; only these ever change
+    g, ee, bad, j0 = gpus[rows], em[rows], bad[rows], j0[rows]  # [B, m], j0 [B]
+    gf, ef, bf = g.ravel(), ee.ravel(), bad.ravel()
+    live = np.arange(rows.size)  # [A] rows of g with a conflict left
+    gl, el = g, ee  # [A, m] their GPUs and experts
     for _ in range(m):
-        if live.size == 0:
-            break
-        gl, el, bl = g[live], ee[live], bad[live]
-        gn = gl * n
-        gn += rmn[live]  # [A, m] flat (GPU, expert 0) of every item's GPU
-        j0 = bl.argmax(1)  # first bad item
-        ar = np.arange(live.size)
-        e0, g0n = el[ar, j0], gn[ar, j0]
-        ok = ~held[gn + e0[:, None]]
-        ok &= ~held[g0n[:, None] + el]
-        ok &= el != e0[:, None]
-        dist = np.where(ok, absd[j0], m + 1)
-        j1 = dist.argmin(1)
-        fixable = dist[ar, j1] <= m
-        if not fixable.any():
-            break
-        rf, a0, a1 = live[fixable], j0[fixable], j1[fixable]
-        t = g[rf, a0].copy()
-        g[rf, a0] = g[rf, a1]
-        g[rf, a1] = t
-        # rows that could not be fixed are left to the repair pass
-        live = rf
-        gn = g[live] * n
-        gn += rmn[live]
-        gn += ee[live]
-        still = held[gn]
-        bad[live] = still
-        live = live[still.any(1)]
-    gpus[rb] = g
-    return gpus
+        f0 = live * m
+        f0 += j0  # [A] flat first bad item
+        e0, g0 = ef[f0], gf[f0]
+        no = held[gl + e0[:, None]]  # [A, m] GPU of item j holds e0
+        no |= held[el + g0[:, None]]  # GPU g0 holds the expert of item j
+        no |= el == e0[:, None]
+        dist = dist0[j0]  # [A, m]
+        dist[no] = m + 1
+        j1 = dist.argmin(1)  # [A] nearest item to trade with (the lower one on ties)
+        fixable = no.ravel()[np.arange(0, live.size * m, m) + j1]  # [A] no[a, j1[a]] ...
+        np.logical_not(fixable, out=fixable)  # ... negated
+        nfix = np.count_nonzero(fixable)
+        if nfix < live.size:
+            if nfix == 0:
+                break
+            # rows that could not be fixed are left to the repair pass
+            live, f0, j1, g0 = live[fixable], f0[fixable], j1[fixable], g0[fixable]
+        f1 = live * m
+        f1 += j1
+        # trade GPUs: both items are then free of conflict (what `no` ruled out) and the
+        # other items keep theirs (held does not change within a round)
+        gf[f0] = gf[f1]
+        gf[f1] = g0
+        bf[f0] = False
+        bf[f1] = False
+        j0 = bad[live].argmax(1)  # [A] next bad item, if any
+        still = bf[live * m + j0]
+        nstill = np.count_nonzero(still)
+        if nstill < live.size:
+            if nstill == 0:
+                break
+            live, j0 = live[still], j0[still]
+        gl, el = g[live], ee[live]
+    gpus[rows] = g
 
 
 def repair_duplicates(w: np.ndarray, p2l: np.ndarray, m: int, cap_iters: int = 10_000) -> np.ndarray:
@@ -152,7 +178,14 @@ def repair_duplicates(w: np.ndarray, p2l: np.ndarray, m: int, cap_iters: int = 1
     R, p = p2l.shape
     n = w.shape[1]
     s = p // m
-    dup_rows = np.nonzero(has_duplicates(p2l, m))[0]
+    if s < 2 or R == 0:
+        return p2l
+    # rows with a duplicate (rows.has_duplicates, faster: int32 keys, one flat comparison)
+    g = np.sort(p2l.astype(np.int32).reshape(R * m, s), axis=1).ravel()  # [R * p] equal experts side by side
+    eq = np.zeros(R * p, dtype=bool)  # [R * p] item i equals item i - 1 of its GPU
+    np.equal(g[1:], g[:-1], out=eq[1:])
+    eq[::s] = False  # a GPU's first item vs the previous GPU's last
+    dup_rows = np.nonzero(eq.reshape(R, p).any(1))[0]
     if dup_rows.size == 0:
         return p2l
     p2l = p2l.copy()
@@ -205,6 +238,8 @@ def refill_hot(w: np.ndarray, p2l: np.ndarray, m: int, max_hot: int = 8) -> np.n
     x = slot_loads(w, p2l, c)  # [R, p]
     load = gpu_sums(x, m)
     mean = load.mean(1, keepdims=True)
+    if not (x.max(1, keepdims=True) >= mean).any():  # no hot GPU (see below) in any row
+        return p2l
     x3 = x.reshape(R, m, s)
     dom = x3.argmax(-1)  # [R, m] slot (in GPU) of the heaviest item
     big = np.take_along_axis(x3, dom[..., None], -1)[..., 0]  # [R, m]
