@@ -16,6 +16,8 @@ _MAX_CANDIDATES = 5_000  # candidate moves per kind and max-GPU iteration, all r
 
 
 _EXCHANGES: dict[int, tuple] = {}
+_SCORE_CHUNK = 16384  # _best_swaps: scores per chunk of pairs
+_MAP_SLOTS = 12  # improve_pairs: slots per GPU above which duplicate checks use a presence map
 
 
 def _exchanges(s: int, budget: int = 400):
@@ -76,10 +78,17 @@ def improve_pairs(w: np.ndarray, p2l: np.ndarray, m: int, iters: int) -> np.ndar
     eps = REL_EPS * w.sum(1) / m  # [R]
     ar = np.arange(s)
     iters = min(40 * K + 8, iters)
-    use_map = single and s >= 4  # many items: duplicate checks through a presence map
+    scored = single and s >= 4  # many items: swaps scored by _best_swaps, pairs laid out [s, B]
+    # duplicate checks (is item u's expert on the other GPU?): comparing the two GPUs'
+    # items costs s * s per pair and iteration, a presence map 2 s lookups (and R * m * n
+    # to build, then updates), so the map pays from about a dozen slots per GPU. Both give
+    # the same answer as long as no GPU holds two replicas of one expert (then swapping
+    # one of them out clears the map's entry): always in the first iteration, which reads
+    # the map before any update
+    use_map = scored and (s > _MAP_SLOTS or (iters > 1 and _any_duplicates(p2l, m)))
+    row_m = (np.arange(R) * m)[:, None]
     if use_map:
         held = presence(p2l, m, n).ravel()  # [R * m * n]
-        row_m = (np.arange(R) * m)[:, None]
     quiet = 0
     for it in range(iters):
         order = argsort_rows(load)  # [R, m] lightest first
@@ -97,15 +106,27 @@ def improve_pairs(w: np.ndarray, p2l: np.ndarray, m: int, iters: int) -> np.ndar
         Kp = heavy.shape[1]
         if Kp == 0:
             continue
-        slots = np.concatenate([heavy[:, :, None] * s + ar, light[:, :, None] * s + ar], 2)  # [R, Kp, 2s]
-        E = take(p2l, slots)  # [R, Kp, 2s]
-        V = take(x, slots)
-        Gh, Gl = take(load, heavy), take(load, light)  # [R, Kp]
-        if use_map:
-            a_on_l = held[((light[:, :, None] + row_m[:, :, None]) * n + E[..., :s])]  # [R, Kp, s]
-            b_on_h = held[((heavy[:, :, None] + row_m[:, :, None]) * n + E[..., s:])]
-            best, best_val = _best_swaps(V, Gh, Gl, a_on_l, b_on_h, s)
+        if scored:
+            # B = R * Kp pairs, last: [s, B] arrays give numpy long inner loops
+            hg, lg = (heavy + row_m).ravel(), (light + row_m).ravel()  # [B] flat GPU
+            ih, il = hg * s + ar[:, None], lg * s + ar[:, None]  # [s, B] flat slots
+            Gh, Gl = load.ravel()[hg], load.ravel()[lg]  # [B]
+            Eh, El = p2l.ravel()[ih], p2l.ravel()[il]  # [s, B]
+            if use_map:
+                a_on_l = held[lg * n + Eh]  # [s, B]
+                b_on_h = held[hg * n + El]
+            else:
+                same = Eh[:, None, :] == El[None, :, :]  # [s, s, B] expert on both GPUs
+                a_on_l = np.logical_or.reduce(same, 1)  # [s, B]
+                b_on_h = np.logical_or.reduce(same, 0)
+            best, best_val = _best_swaps(x.ravel()[ih], x.ravel()[il], Gh, Gl, a_on_l, b_on_h)
+            best, best_val = best.reshape(R, Kp), best_val.reshape(R, Kp)
+            Gh, Gl = Gh.reshape(R, Kp), Gl.reshape(R, Kp)
         else:
+            slots = np.concatenate([heavy[:, :, None] * s + ar, light[:, :, None] * s + ar], 2)  # [R, Kp, 2s]
+            E = take(p2l, slots)  # [R, Kp, 2s]
+            V = take(x, slots)
+            Gh, Gl = take(load, heavy), take(load, light)  # [R, Kp]
             same = E[..., :s, None] == E[..., None, s:]  # [R, Kp, s, s] expert on both GPUs
             if single:  # [R, Kp, s*s] load from h to l, swap (u, v) at u * s + v
                 moved = (V[..., :s, None] - V[..., None, s:]).reshape(R, Kp, X)
@@ -155,26 +176,52 @@ def improve_pairs(w: np.ndarray, p2l: np.ndarray, m: int, iters: int) -> np.ndar
     return p2l
 
 
-def _best_swaps(V, Gh, Gl, a_on_l, b_on_h, s):
+def _any_duplicates(p2l: np.ndarray, m: int) -> bool:
+    """Whether some GPU holds two replicas of one expert (rows.has_duplicates(p2l, m).any(),
+    with int32 keys and one flat comparison)."""
+    R, p = p2l.shape
+    s = p // m
+    if s < 2 or R == 0:
+        return False
+    g = np.sort(p2l.astype(np.int32).reshape(R * m, s), axis=1).ravel()  # [R * p] equal experts side by side
+    eq = g[1:] == g[:-1]  # [R * p - 1] item i + 1 vs item i
+    eq[s - 1::s] = False  # a GPU's last item vs the next GPU's first
+    return bool(eq.any())
+
+
+def _best_swaps(Vh, Vl, Gh, Gl, a_on_l, b_on_h):
     """Best one-for-one swap of every GPU pair. Moving load d from the heavy GPU to the
     light one gives a pair max of (Gh + Gl) / 2 + |d - gap / 2|, and helps iff
-    0 < d < gap, so the score is |2 d - gap|. V [R, K, 2s] item loads (heavy GPU's
-    first), Gh, Gl [R, K], a_on_l / b_on_h [R, K, s] (the item's expert is already on the
-    other GPU). Returns the swap index u * s + v [R, K] and the pair's new max [R, K]."""
-    R, K, _ = V.shape
-    gap = Gh - Gl  # [R, K]
-    score = V[..., :s, None] - V[..., None, s:]  # [R, K, s, s] load moved
-    score *= 2.0
-    score -= gap[..., None, None]
-    np.abs(score, out=score)
-    score[a_on_l] = np.inf  # [R, K, s] masks whole rows u
-    score.transpose(0, 1, 3, 2)[b_on_h] = np.inf  # and whole columns v
-    flat = score.reshape(R * K, s * s)
-    j = flat.argmin(-1)
-    best = flat[np.arange(R * K), j].reshape(R, K)
+    0 < d < gap, so the score is |2 d - gap|. Vh, Vl [s, B] item loads of the heavy and
+    the light GPU of B pairs, Gh, Gl [B], a_on_l / b_on_h [s, B] (the item's expert is
+    already on the other GPU). Returns the swap index u * s + v (the first of the lowest
+    score) [B] and the pair's new max [B].
+
+    Scores are laid out [s * s, B] (long inner loops for numpy), a chunk of pairs at a
+    time (temporaries of at most _SCORE_CHUNK values, which stay in cache; large fresh
+    ones can also cost page faults). A masked item is given load +inf
+    (heavy side) or -inf (light side), so that every score of its row u or column v is
+    +inf and the others are computed as they are: loads are finite."""
+    s, B = Vh.shape
+    gap = Gh - Gl  # [B]
+    vh = np.where(a_on_l, np.inf, Vh)  # [s, B]
+    vl = np.where(b_on_h, -np.inf, Vl)
+    j = np.empty(B, dtype=np.int64)
+    best = np.empty(B)
+    step = max(1, _SCORE_CHUNK // (s * s))
+    for a in range(0, B, step):
+        b = min(B, a + step)
+        score = vh[:, None, a:b] - vl[None, :, a:b]  # [s, s, b] load moved by swap (u, v)
+        score *= 2.0
+        score -= gap[a:b]
+        np.abs(score, out=score)
+        score = score.reshape(s * s, b - a)
+        jj = score.argmin(0)
+        j[a:b] = jj
+        best[a:b] = score[jj, np.arange(b - a)]
     new_max = 0.5 * (Gh + Gl + best)  # = max(Gh - d, Gl + d)
     new_max[~(best < gap)] = np.inf
-    return j.reshape(R, K), new_max
+    return j, new_max
 
 
 def improve_max(
