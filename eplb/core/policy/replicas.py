@@ -27,25 +27,38 @@ def replica_counts(w: np.ndarray, p: int, cap: int) -> np.ndarray:
     kmax = min(extra, cap - 1)  # most replicas one expert can add
     heavy = argsort_rows(w, descending=True)[:, :min(extra, n)]  # [R, K] experts, heaviest first
     i_of, k_of = _candidates(heavy.shape[1], extra, kmax)  # [C] rank and k of every candidate
-    expert = take(heavy, np.broadcast_to(i_of, (R, i_of.size)))  # [R, C]
-    value = take(w, expert) / k_of  # [R, C] w_e / k
-    # unique integer keys: value descending, then expert id and k ascending
+    C = i_of.size
     ib = max(1, int(n * kmax).bit_length())
-    key = sort_keys(value, expert * kmax + (k_of - 1), ib, descending=True)  # [R, C]
-    if key.shape[1] > extra:
-        key = np.partition(key, extra - 1, axis=1)[:, :extra]  # [R, extra] the picks, any order
-    picked = (key & ((1 << ib) - 1)) // kmax  # [R, extra] expert of every pick
-    picked += (np.arange(R) * n)[:, None]
-    c += np.bincount(picked.ravel(), minlength=R * n).reshape(R, n)
+    hw = take(w, heavy)  # [R, K] their loads
+    htie = heavy * kmax  # [R, K] the expert's part of the tie-break
+    k_tie = k_of - 1  # [C] and the replica's
+    # a chunk of rows at a time, so that the [r, C] temporaries stay small (C is in the
+    # thousands at EP256: whole [R, C] arrays fall out of cache and can cost page faults)
+    step = max(1, _CHUNK // C)
+    for a in range(0, R, step):
+        b = min(R, a + step)
+        value = hw[a:b, i_of] / k_of  # [r, C] w_e / k
+        tie = htie[a:b, i_of]  # [r, C] expert * kmax + (k - 1)
+        tie += k_tie
+        # unique integer keys: value descending, then expert id and k ascending
+        key = sort_keys(value, tie, ib, descending=True)  # [r, C]
+        if C > extra:
+            key = np.partition(key, extra - 1, axis=1)[:, :extra]  # [r, extra] the picks, any order
+        picked = (key & ((1 << ib) - 1)) // kmax  # [r, extra] expert of every pick
+        picked += (np.arange(b - a) * n)[:, None]
+        c[a:b] += np.bincount(picked.ravel(), minlength=(b - a) * n).reshape(b - a, n)
     return c
 
 
+_CHUNK = 16384  # replica_counts: candidate values per chunk of rows
 _CANDIDATES: dict[tuple[int, int, int], tuple[np.ndarray, np.ndarray]] = {}
 
 
 def _candidates(K: int, extra: int, kmax: int) -> tuple[np.ndarray, np.ndarray]:
     """(rank i, k) of every (expert, replica) value `replica_counts` may pick: i < K,
-    1 <= k <= kmax, (i + 1) k <= extra. Two int64 arrays [C], i ascending then k."""
+    1 <= k <= kmax, (i + 1) k <= extra. Two int64 arrays [C] in a fixed scrambled order:
+    i ascending then k would give keys in nearly sorted runs, on which np.partition is
+    several times slower (the picks do not depend on the order)."""
     key = (K, extra, kmax)
     if key not in _CANDIDATES:
         i_of, k_of = [], []
@@ -53,7 +66,10 @@ def _candidates(K: int, extra: int, kmax: int) -> tuple[np.ndarray, np.ndarray]:
             ks = range(1, min(kmax, extra // (i + 1)) + 1)
             i_of += [i] * len(ks)
             k_of += list(ks)
-        _CANDIDATES[key] = (np.array(i_of, dtype=np.int64), np.array(k_of, dtype=np.int64))
+        # a fixed scramble (no randomness): positions ordered by a multiplicative hash
+        scramble = np.argsort((np.arange(len(i_of), dtype=np.uint64) * np.uint64(2654435761)) % np.uint64(1 << 32),
+                              kind="stable")
+        _CANDIDATES[key] = (np.array(i_of, dtype=np.int64)[scramble], np.array(k_of, dtype=np.int64)[scramble])
     return _CANDIDATES[key]
 
 
