@@ -54,30 +54,35 @@ def _place_on_nodes(w, P, M, k, gs, node, prev, tol) -> np.ndarray:
     [L, P] as its previous placement where it holds exactly those experts."""
     L, N = w.shape
     G = N // gs
+    Nk = N // k
+    lr = np.arange(L)[:, None]
     # experts of every node, ascending: [L, k, N/k]; a group's experts are consecutive ids,
     # so this is the order of the groups by (node, group id), each expanded to its experts
-    expert_node = np.repeat(node, gs, axis=1)  # [L, N]
     group_order = np.argsort(node, axis=1, kind="stable")  # [L, G]
-    order = (group_order[:, :, None] * gs + np.arange(gs)).reshape(L, N)  # [L, N] experts grouped by node
-    node_experts = order.reshape(L, k, N // k)
-    sub_w = take(w, order).reshape(L * k, N // k)  # [L*k, N/k]
+    order = np.arange(N).reshape(G, gs)[group_order].reshape(L, N)  # [L, N] experts grouped by node
+    node_experts = order.reshape(L, k, Nk)
+    sub_w = w.reshape(L, G, gs)[lr, group_order].reshape(L * k, Nk)  # [L*k, N/k] = take(w, order)
     Pk, Mk = P // k, M // k
     sub_prev = None
     if prev is not None:
         # local id of every expert in its node: its group's rank in the node (G/k groups
-        # per node), then its rank in the group
+        # per node), then its rank in the group; gathered together with the expert's node
+        # as node * N/k + local id (local ids are below N/k)
         group_pos = np.empty((L, G), dtype=np.int64)
-        group_pos[np.arange(L)[:, None], group_order] = np.arange(G) % (G // k)
-        local = (group_pos[:, :, None] * gs + np.arange(gs)).reshape(L, N)  # [L, N]
-        lid = take(local, prev).reshape(L, k, Pk)
-        same_node = (take(expert_node, prev).reshape(L, k, Pk) == np.arange(k)[None, :, None]).all(-1)  # [L, k]
-        sub_prev = np.where(same_node[..., None], lid, -1).reshape(L * k, Pk)
-        # every local expert must appear in its node's previous slots
-        seen = np.zeros((L * k, N // k), dtype=bool)
-        sp = np.maximum(sub_prev, 0)
-        sp += (np.arange(L * k) * (N // k))[:, None]
-        seen.ravel()[sp] = True
-        sub_prev[~seen.all(1)] = -1
+        group_pos[lr, group_order] = np.arange(G) % (G // k)
+        gcode = node * Nk + group_pos * gs  # [L, G]
+        code = (gcode[:, :, None] + np.arange(gs)).reshape(L, N)  # [L, N]
+        q = take(code, prev).reshape(L, k, Pk)  # [L, k, P/k]
+        lo = np.arange(k) * Nk  # [k] code of local id 0 of every node
+        same_node = (q.min(-1) >= lo) & (q.max(-1) < lo + Nk)  # [L, k] every expert of the node's slots on it
+        q -= lo[:, None]  # local ids
+        q[~same_node] = -1
+        sub_prev = q.reshape(L * k, Pk)
+        # every local expert must appear in its node's previous slots: a bincount of
+        # (row, local id + 1), -1 in bin 0
+        key = sub_prev + (np.arange(L * k) * (Nk + 1) + 1)[:, None]
+        cnt = np.bincount(key.ravel(), minlength=L * k * (Nk + 1)).reshape(L * k, Nk + 1)
+        sub_prev[cnt[:, 1:].min(1) == 0] = -1
     sub = plan_rows(sub_w, Pk, Mk, sub_prev, tol)  # [L*k, P/k] local ids
     glob = take(node_experts.reshape(L * k, -1), sub)  # [L*k, P/k]
     return glob.reshape(L, P)
@@ -99,16 +104,17 @@ def _relabel_nodes(node: np.ndarray, prev_node: np.ndarray, rows: np.ndarray, k:
     # ov [L, k new, k old]: shared groups (a bincount; previous node -1 = not seen, dropped)
     key = (np.arange(L)[:, None] * k + node) * (k + 1) + (prev_node + 1)  # [L, G]
     ov = np.bincount(key.ravel(), minlength=L * k * (k + 1)).reshape(L, k, k + 1)[..., 1:]
-    mapping = np.full((L, k), -1, dtype=np.int64)
-    used = np.zeros((L, k), dtype=bool)
+    o = ov.reshape(L, k * k).copy()  # [L, k new * k old] pairs still free (-1: taken)
+    o3 = o.reshape(L, k, k)
+    mapping = np.empty((L, k), dtype=np.int64)
     lr = np.arange(L)
     for _ in range(k):
-        o = np.where((mapping[:, :, None] < 0) & ~used[:, None, :], ov, -1).reshape(L, -1)
         flat = o.argmax(1)  # first best (new, old) pair
         i, j = flat // k, flat % k
         mapping[lr, i] = j
-        used[lr, j] = True
-    relabelled = np.take_along_axis(mapping, node, 1)
+        o3[lr, i, :] = -1  # new node i is mapped
+        o3[lr, :, j] = -1  # old node j is used
+    relabelled = mapping[lr[:, None], node]
     return np.where(rows[:, None], relabelled, node)
 
 
@@ -147,6 +153,20 @@ def _partitions(G: int, k: int) -> Optional[np.ndarray]:
     return _PARTITIONS[key]
 
 
+_MEMBERS: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _members(G: int, k: int) -> np.ndarray:
+    """Groups of every block of every split of `_partitions(G, k)`: [k, G/k, X], block b's
+    groups ascending (X splits last, for node loads laid out [L, X])."""
+    key = (G, k)
+    if key not in _MEMBERS:
+        parts = _partitions(G, k)
+        members = np.argsort(parts * G + np.arange(G), axis=1, kind="stable").reshape(len(parts), k, G // k)
+        _MEMBERS[key] = np.ascontiguousarray(members.transpose(1, 2, 0))
+    return _MEMBERS[key]
+
+
 def groups_to_nodes(group_load: np.ndarray, k: int) -> np.ndarray:
     """Node of every group [L, G] (G/k groups per node) with the lowest max node load
     (then the lowest sum of squares): exhaustive when there are few splits, otherwise
@@ -156,17 +176,18 @@ def groups_to_nodes(group_load: np.ndarray, k: int) -> np.ndarray:
         return np.broadcast_to(np.arange(G), (L, G)).copy()
     parts = _partitions(G, k)
     if parts is not None:
-        members = np.argsort(parts * G + np.arange(G), axis=1, kind="stable").reshape(len(parts), k, G // k)
-        gl = group_load[:, members]  # [L, X, k, G/k] loads of the groups of every node
-        node = gl[..., 0].copy()
-        for j in range(1, G // k):  # fixed summation order
-            node += gl[..., j]
-        # max and sum of squares over the k nodes, node by node (a reduction over a short
-        # last axis is slow in numpy); the same values, summed in the same order
-        top, sq = node[..., 0].copy(), node[..., 0] * node[..., 0]  # [L, X]
-        for j in range(1, k):
-            np.maximum(top, node[..., j], out=top)
-            sq += node[..., j] * node[..., j]
+        members = _members(G, k)  # [k, G/k, X]
+        # max and sum of squares of the k node loads, node by node (a reduction over a
+        # short axis is slow in numpy); every node's groups summed in a fixed order
+        for b in range(k):
+            node = np.take(group_load, members[b, 0], axis=1)  # [L, X] load of node b
+            for j in range(1, G // k):
+                node += np.take(group_load, members[b, j], axis=1)
+            if b == 0:
+                top, sq = node, node * node
+            else:
+                np.maximum(top, node, out=top)
+                sq += node * node
         best = lexmin(top, sq)
         return parts[best]
     ones = np.ones((L, G), dtype=np.int64)
@@ -183,17 +204,13 @@ def _node_assignment_of(prev: np.ndarray, N: int, G: int, k: int) -> tuple[np.nd
     L, P = prev.shape
     gs = N // G
     slot_node = np.arange(P) // (P // k)  # [P]
-    grp = prev // gs  # [L, P]
-    flat_grp = grp + (np.arange(L) * G)[:, None]  # [L, P] flat (layer, group)
-    node = np.full((L, G), -1, dtype=np.int64)
-    node.ravel()[flat_grp] = slot_node  # the group's last slot wins
-    # valid: every group seen on exactly one node, G/k groups per node
-    seen = np.zeros((L, G, k), dtype=bool)
-    flat_grp *= k
-    flat_grp += slot_node
-    seen.ravel()[flat_grp] = True
-    valid = (np.add.reduce(seen, axis=-1, dtype=np.int64) == 1).all(1)
-    per_node = np.bincount((node + (np.arange(L) * (k + 1) + 1)[:, None]).ravel(),
-                           minlength=L * (k + 1)).reshape(L, k + 1)[:, 1:]  # [L, k] groups per node
-    valid &= (per_node == G // k).all(1)
+    # slots of every (layer, node, group): a bincount of the flat index
+    flat = prev // gs  # [L, P] group
+    flat += (np.arange(L) * (k * G))[:, None]
+    flat += slot_node * G
+    seen = np.bincount(flat.ravel(), minlength=L * k * G).reshape(L, k, G) > 0  # [L, k, G]
+    # the group's last slot wins: slots go node by node, so its highest node (-1: not seen)
+    node = (seen * np.arange(1, k + 1)[:, None]).max(1) - 1  # [L, G]
+    # valid: every group seen on exactly one node (then its node), G/k groups per node
+    valid = (np.add.reduce(seen, axis=1) == 1).all(1) & (np.add.reduce(seen, axis=2) == G // k).all(1)
     return node, valid
