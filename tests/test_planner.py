@@ -552,6 +552,21 @@ def test_pack_matches_a_per_row_reference():
         assert np.array_equal(pack(w, c, m), _pack_reference(w, c, m))
 
 
+def test_align_refuses_a_gpu_holding_an_expert_twice(monkeypatch):
+    """`moves.align` relies on every GPU of `new` holding an expert once: two replicas of
+    one expert on one GPU would both claim the old slot, so it raises instead of writing
+    a placement with holes (map and comparison paths alike)."""
+    from eplb.core.policy import moves
+
+    old = np.array([[0, 1, 2, 3]])
+    with pytest.raises(ValueError, match="holds an expert twice"):
+        moves.align(np.array([[0, 0, 2, 3]]), old, 2, 4)
+    monkeypatch.setattr(moves, "_SLOT_MAP_MAX", 0)
+    with pytest.raises(ValueError, match="holds an expert twice"):
+        moves.align(np.array([[2, 3, 1, 1]]), old, 2, 4)
+    assert np.array_equal(moves.align(np.array([[3, 2, 1, 0]]), old, 2, 4), old)
+
+
 def test_align_without_the_slot_map(monkeypatch):
     """With many GPUs and experts `moves.align` finds the old slots by comparison passes
     instead of a (row, GPU, expert) map: the same results as the per-GPU reference."""
