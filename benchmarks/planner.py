@@ -249,15 +249,20 @@ def section_moves() -> None:
 
 
 # ---- 4. speed ---------------------------------------------------------------------------------
-def _median_ms(fn, reps) -> str:
-    """'median (min)' wall time in ms over `reps` calls after one warm-up call."""
-    fn()  # warm caches
-    ts = []
+def _median_ms(fns, reps) -> list:
+    """'median (min)' wall time in ms of every function of `fns` over `reps` calls each,
+    after one warm-up call each. The calls go round-robin (f1, f2, ..., f1, f2, ...), so
+    that a burst of load from other processes slows all of them alike and their
+    medians compare side by side."""
+    for fn in fns:
+        fn()  # warm caches
+    ts = [[] for _ in fns]
     for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return f"{1e3 * float(np.median(ts)):.2f} ({1e3 * min(ts):.2f})"
+        for fn, t_fn in zip(fns, ts):
+            t = time.perf_counter()
+            fn()
+            t_fn.append(time.perf_counter() - t)
+    return [f"{1e3 * float(np.median(t)):.2f} ({1e3 * min(t):.2f})" for t in ts]
 
 
 def speed_loads(L: int, N: int, seed: int) -> np.ndarray:
@@ -279,11 +284,11 @@ def section_speed() -> None:
         drift = load * np.random.default_rng(2).uniform(0.8, 1.2, load.shape)  # the next window
         prev = plan(load, M, P, nodes, groups)
         fn = get_policy("default")
-        reps = 41 if P < 400 else 11
-        t_pol = _median_ms(lambda: fn(drift, P, M, nodes, groups, None, opt), reps)
-        t_plan = _median_ms(lambda: plan(drift, M, P, nodes, groups), reps)
-        t_prev = _median_ms(lambda: plan(drift, M, P, nodes, groups, previous=prev), reps)
-        t_ds = _median_ms(lambda: plan(drift, M, P, nodes, groups, policy="deepseek"), 5)
+        reps = 61 if P < 400 else 11
+        t_pol, t_plan, t_prev = _median_ms([lambda: fn(drift, P, M, nodes, groups, None, opt),
+                                            lambda: plan(drift, M, P, nodes, groups),
+                                            lambda: plan(drift, M, P, nodes, groups, previous=prev)], reps)
+        t_ds, = _median_ms([lambda: plan(drift, M, P, nodes, groups, policy="deepseek")], 5)
         b = plan(drift, M, P, nodes, groups)
         q = plan(drift, M, P, nodes, groups, previous=prev)
         d = plan(drift, M, P, nodes, groups, policy="deepseek")
