@@ -32,29 +32,37 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
     U = R * m
     rows = np.arange(R, dtype=np.int32)
     new_t = new.reshape(U, s).T  # [s, U] view
-    # ids fit in int32 (n, p <= MAX_SLOTS): (row, expert) keys r n + e
-    key_old = old.astype(np.int32)
-    key_old += (rows * n)[:, None]  # [R, p]
+    # (row, expert) keys r n + e: intp for the scatter into `first` (numpy's fast path for
+    # fancy indexing), int32 for the items of `new` (ids fit in int32: n, p <= MAX_SLOTS;
+    # np.take casts them)
+    key_old = np.add(old, (rows * n)[:, None], dtype=np.intp)  # [R, p]
     key_new = new_t.astype(np.int32, order="C")
     key_new += np.repeat(rows * n, m)  # [s, U]
     # cand: flat old GPU r m + g of the first old replica of every item's expert (absent: U)
     first = np.full(R * n, U, dtype=np.int32)
     first[key_old.ravel()[::-1]] = np.repeat(np.arange(U - 1, -1, -1, dtype=np.int32), s)  # written last = lowest slot wins
-    cand = first[key_new]  # [s, U]
+    cand = np.take(first, key_new)  # [s, U]
     # ov: how many items of the same new GPU have the same candidate (s comparison passes);
-    # an item without candidate counts 0
-    ov = np.zeros((s, U), dtype=np.int8 if s <= 127 else np.int64)
+    # an item without candidate counts 0. The int8 passes add a mask viewed as int8 (0/1):
+    # adding the bool mask itself would go through a buffered cast
+    small = s <= 127
+    ov = np.zeros((s, U), dtype=np.int8 if small else np.int64)
     for k in range(s):
-        ov += cand == cand[k]
+        eq = cand == cand[k]  # [s, U]
+        ov += eq.view(np.int8) if small else eq
     ov *= cand < U
     # an item's proposal key, maximal over its GPU for the proposal: its overlap, then the
-    # lower slot (as argmax: the first maximum), then its candidate in the low digits. An
-    # item whose candidate is taken (or absent) keeps `low`: overlap 0, candidate U
-    rev = np.arange(s - 1, -1, -1, dtype=np.int64)[:, None]  # [s, 1]
-    okey = ov * np.int64(s) + rev
-    okey *= U + 1
-    okey += cand  # [s, U]
-    low = rev * (U + 1) + U  # [s, 1]
+    # lower slot (as argmax: the first maximum), then its candidate in the low bits (bit
+    # fields, so that shifts and masks take them apart). An item whose candidate is taken
+    # (or absent) keeps `low`: overlap 0, candidate U
+    c_bits = int(U).bit_length()  # cand in 0..U
+    o_shift = c_bits + int(s - 1).bit_length()  # above the slot field (rev in 0..s-1)
+    rev = np.arange(s - 1, -1, -1, dtype=np.int64)[:, None] << c_bits  # [s, 1]
+    okey = ov.astype(np.int64)
+    okey <<= o_shift
+    okey |= rev
+    okey |= cand  # [s, U]
+    low = rev | U  # [s, 1]
     match = np.full(U, -1, dtype=np.int64)  # new GPU -> flat old GPU r m + g'
     taken = np.zeros(U + 1, dtype=bool)  # old GPU already matched (U: none)
     # every old GPU is proposed to in one round at most (it then takes its best proposer),
@@ -63,12 +71,15 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
     # every round works on the new GPUs still proposing: a matched GPU, or one whose best
     # score was 0 (scores only drop as old GPUs are taken), never proposes again
     live = np.arange(U)  # [U'] flat new GPU
-    tie = np.broadcast_to(np.arange(m, 0, -1), (R, m)).ravel()  # [U'] m - g: the lower new GPU wins ties
+    tie = np.empty((R, m), dtype=np.int64)
+    tie[:] = np.arange(m, 0, -1)
+    tie = tie.ravel()  # [U'] m - g: the lower new GPU wins ties
     c_live, k_live = cand, okey  # [s, U']
     for rnd in range(rounds):
-        score = k_live if rnd == 0 else np.where(taken[c_live], low, k_live)  # [s, U'] (nothing taken in round 0)
-        best, tflat = np.divmod(score.max(0), s * (U + 1))  # [U'] best overlap, (slot, old GPU) digits
-        tflat %= U + 1  # [U'] flat old GPU proposed to (U: no proposal)
+        score = k_live if rnd == 0 else np.where(np.take(taken, c_live), low, k_live)  # [s, U'] (nothing taken in round 0)
+        smax = score.max(0)  # [U']
+        best = smax >> o_shift  # [U'] best overlap
+        tflat = smax & ((1 << c_bits) - 1)  # [U'] flat old GPU proposed to (U: no proposal)
         key = best * (m + 1) + tie  # [U'] unique per new GPU
         np.maximum.at(top, tflat, key)
         top[U] = -1  # the non-proposers' dummy: nobody wins it
@@ -96,7 +107,7 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
         slot_of = np.full(U * n, -1, dtype=slot_dtype)
         old_key = old.reshape(U, s) + (np.arange(U) * n)[:, None]
         slot_of[old_key.ravel()] = np.tile(np.arange(s, dtype=slot_dtype), U)  # last write = highest slot
-        v_of = slot_of[np.add(new_t, match * n, order="C")]  # [s, U]
+        v_of = np.take(slot_of, np.add(new_t, match * n, order="C"))  # [s, U]
     else:  # many GPUs and experts, few slots per GPU: s comparison passes cost less than the map
         held = key_old.reshape(U, s).T.take(match, axis=1)  # [s, U] old content of the matched GPU
         v_of = np.full((s, U), -1, dtype=slot_dtype)
@@ -106,7 +117,8 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
     fc = np.empty((s, U), dtype=slot_dtype)
     run = np.zeros(U, dtype=slot_dtype)
     for t in range(s):
-        run += ~(v_of == t).any(0)
+        free = ~(v_of == t).any(0)  # [U]
+        run += free.view(np.int8) if small else free
         fc[t] = run
     # the k-th newcomer (1-based, in slot order) takes the k-th free slot: the number of
     # slots t with fc[t] < k. Every GPU has as many free slots as newcomers (`new` holds
@@ -121,9 +133,11 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
     q *= newcomer  # [s, U] newcomer rank, 0 for a stayer
     slot = np.maximum(v_of, 0)
     for t in range(s):
-        slot += fc[t] < q
+        before = fc[t] < q  # [s, U]
+        slot += before.view(np.int8) if small else before
     # flat slot of the result, GPU-major like `new`
-    dest = slot.T + (match * s)[:, None]  # [U, s]
+    dest = slot.T.astype(np.intp, order="C")  # [U, s] (C order: numpy's fast scatter)
+    dest += (match * s)[:, None]
     out = np.empty(new.shape, dtype=new.dtype)  # C order: ravel() is a view
     out.ravel()[dest] = new.reshape(U, s)
     if not with_source:

@@ -19,7 +19,7 @@ _MAX_CANDIDATES = 5_000  # candidate moves per kind and max-GPU iteration, all r
 
 
 _EXCHANGES: dict[int, tuple] = {}
-_SCORE_CHUNK = 16384  # _best_swaps: scores per chunk of pairs
+_SCORE_CHUNK = 1 << 17  # _best_swaps: scores per chunk of pairs
 _MAP_SLOTS = 12  # improve_pairs: slots per GPU above which duplicate checks use a presence map
 
 
@@ -201,27 +201,32 @@ def _best_swaps(Vh, Vl, Gh, Gl, a_on_l, b_on_h):
     score) [B] and the pair's new max [B].
 
     Scores are laid out [s * s, B] (long inner loops for numpy), a chunk of pairs at a
-    time (temporaries of at most _SCORE_CHUNK values, which stay in cache; large fresh
-    ones can also cost page faults). A masked item is given load +inf
+    time (temporaries of at most _SCORE_CHUNK values). A masked item is given load +inf
     (heavy side) or -inf (light side), so that every score of its row u or column v is
-    +inf and the others are computed as they are: loads are finite."""
+    +inf and the others are computed as they are: loads are finite. The best swap is
+    found as a min-reduce plus its first match (ranks s * s .. 1 at the minimum, a
+    max-reduce over 1-byte values), where an argmin over axis 0 would copy the scores to
+    a pair-major layout. Scores are >= 0 (+0.0 after abs, never NaN), so the minimum is
+    argmin's value, and ties go to the first index as with argmin."""
     s, B = Vh.shape
     gap = Gh - Gl  # [B]
     vh = np.where(a_on_l, np.inf, Vh)  # [s, B]
     vl = np.where(b_on_h, -np.inf, Vl)
+    S = s * s
+    rank = np.arange(S, 0, -1, dtype=np.uint8 if S < 256 else np.int64)[:, None]  # [s * s, 1] higher first
     j = np.empty(B, dtype=np.int64)
     best = np.empty(B)
-    step = max(1, _SCORE_CHUNK // (s * s))
+    step = max(1, _SCORE_CHUNK // S)
     for a in range(0, B, step):
         b = min(B, a + step)
         score = vh[:, None, a:b] - vl[None, :, a:b]  # [s, s, b] load moved by swap (u, v)
         score *= 2.0
         score -= gap[a:b]
         np.abs(score, out=score)
-        score = score.reshape(s * s, b - a)
-        jj = score.argmin(0)
-        j[a:b] = jj
-        best[a:b] = score[jj, np.arange(b - a)]
+        score = score.reshape(S, b - a)
+        low = score.min(0)  # [b]
+        j[a:b] = S - ((score == low) * rank).max(0)  # first (u, v) at the minimum
+        best[a:b] = low
     new_max = 0.5 * (Gh + Gl + best)  # = max(Gh - d, Gl + d)
     new_max[~(best < gap)] = np.inf
     return j, new_max
