@@ -1,20 +1,13 @@
 """Dump many default plans (speed shapes + random small/medium problems, with and without
 previous, hierarchical and global, weighted too) to OUT.npz. Run with PYTHONPATH=<checkout>:
-python dump_many.py OUT.npz"""
+python dump_many_plans.py OUT.npz"""
 import sys
 import numpy as np
 sys.path.insert(0, "benchmarks")
-from planner import speed_loads
+from dump_plans import speed_plans  # this folder: the speed shapes' plans
 from eplb import plan
 
-out = {}
-for name, L, N, P, M, nodes, groups in [("v3h", 58, 256, 288, 32, 4, 8), ("v3g", 58, 256, 288, 32, 1, 1),
-                                        ("ep256", 58, 256, 512, 256, 1, 1)]:
-    load = speed_loads(L, N, seed=1)
-    drift = load * np.random.default_rng(2).uniform(0.8, 1.2, load.shape)
-    prev = plan(load, M, P, nodes, groups)
-    out[name + "_plan"] = plan(drift, M, P, nodes, groups).physical_to_logical
-    out[name + "_prev"] = plan(drift, M, P, nodes, groups, previous=prev).physical_to_logical
+out = speed_plans()
 rng = np.random.default_rng(0)
 shapes = [(8, 64, 72, 8, 1, 1), (8, 64, 80, 8, 2, 4), (4, 32, 48, 8, 1, 1), (6, 128, 144, 16, 1, 1),
           (6, 128, 160, 16, 4, 8), (12, 64, 64, 8, 1, 1), (5, 16, 32, 16, 1, 1), (3, 256, 288, 32, 4, 8),
