@@ -243,16 +243,18 @@ def plan_rows(w: np.ndarray, p: int, m: int, prev: Optional[np.ndarray], tol: fl
     # the from-scratch plan is the reference (and the fallback); on large problems (more
     # than 8192 slots in all) it gets half the budget so that the moves from the previous
     # placement fit in the rest
-    scratch, ref = solve(w, p, m, share=1.0 if R * p <= SMALL else 0.5, with_reference=True)
+    scratch, ref, smax = solve(w, p, m, share=1.0 if R * p <= SMALL else 0.5, with_reference=True)
     r = np.nonzero(has_prev)[0]
     every = r.size == R  # the usual case: no row copies
     old = prev if every else prev[r]
+    # smax [R']: the from-scratch max GPU load
     w_r, scratch_r, ref_r = (w, scratch, ref) if every else (w[r], scratch[r], ref[r])
+    if not every:
+        smax = smax[r]
     # a previous placement may hold more than m replicas of an expert (not placeable without
     # two on one GPU); such rows restart from scratch, only relabelled
     c_old = counts_of(old, n)  # [R', n]
     ok_counts = c_old.max(1) <= cap
-    smax = max_load(w_r, scratch_r, m)  # [R'] the from-scratch max GPU load
     # the tolerance, but never above DeepSeek's own from-scratch placement of the same
     # load (known on small problems): under a drifting load a layer kept at the edge of
     # the tolerance would otherwise be worse than re-planning with DeepSeek every time

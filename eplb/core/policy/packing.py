@@ -10,7 +10,7 @@ from eplb.core.policy.replicas import expand
 from eplb.core.policy.rows import argsort_rows, counts_of, gpu_sums, has_duplicates, max_load, presence, slot_loads, take
 
 
-def pack(w: np.ndarray, c: np.ndarray, m: int) -> np.ndarray:
+def pack(w: np.ndarray, c: np.ndarray, m: int, with_loads: bool = False):
     """Pack the replicas (expert e: c[r, e] items of w[r, e] / c[r, e]) onto m GPUs with
     exactly s items each, in s rounds. Items sorted heavy -> light; in every round the
     GPUs below the current mean GPU load take the next heaviest items (heaviest to the
@@ -18,7 +18,9 @@ def pack(w: np.ndarray, c: np.ndarray, m: int) -> np.ndarray:
     to the heaviest GPU), which is what a greedy that always feeds the lightest GPU ends
     up doing. An item whose expert is already on its GPU trades GPUs with the
     nearest item of the round for which that is not the case (replicas of one expert
-    are neighbours in the order, so this is rare). Returns p2l [R, p]."""
+    are neighbours in the order, so this is rare). Returns p2l [R, p]; with `with_loads`
+    also its GPU loads [R, m], summed slot by slot like `rows.gpu_sums` (so bit for bit
+    those of `rows.max_load`, the counts being c >= 1)."""
     R, n = w.shape
     p = int(c[0].sum())
     s = p // m
@@ -75,7 +77,7 @@ def pack(w: np.ndarray, c: np.ndarray, m: int) -> np.ndarray:
         load += sizes[now]  # one addition per GPU, as load[r, gpus[r, j]] += sizes[pick[r, j]]
     p2l = items.take(taken.transpose(1, 2, 0))  # [R, GPU, round]: slot GPU * s + round
     p2l -= (rows * n)[:, None, None]  # expert ids within the row
-    return p2l.reshape(R, p)
+    return (p2l.reshape(R, p), load) if with_loads else p2l.reshape(R, p)
 
 
 def _heavy_first(v: np.ndarray) -> np.ndarray:
@@ -222,24 +224,25 @@ def repair_duplicates(w: np.ndarray, p2l: np.ndarray, m: int, cap_iters: int = 1
     raise RuntimeError("duplicate repair did not converge")  # pragma: no cover
 
 
-def refill_hot(w: np.ndarray, p2l: np.ndarray, m: int, max_hot: int = 8) -> np.ndarray:
+def refill_hot(w: np.ndarray, p2l: np.ndarray, m: int, max_hot: int = 8, with_max: bool = False):
     """When one or several GPUs hold an item at least as heavy as the mean GPU load (an
     expert that cannot be split enough), the best they can do is hold the lightest items
     of the row: give the h(s-1) lightest items to those h GPUs, heaviest item first to the
     one with the lowest load (LPT over the fillers), and put their previous fillers where
     the light items were. Kept per row only if the max GPU load drops and no GPU gets two
-    replicas of one expert. p2l [R, p] -> [R, p]."""
+    replicas of one expert. p2l [R, p] -> [R, p]; with `with_max` also the result's max
+    GPU load [R] (that of `rows.max_load`, which this step computes anyway)."""
     R, p = p2l.shape
     n = w.shape[1]
     s = p // m
     if s < 2 or m < 2 or R == 0:
-        return p2l
+        return (p2l, max_load(w, p2l, m)) if with_max else p2l
     c = counts_of(p2l, n)
     x = slot_loads(w, p2l, c)  # [R, p]
-    load = gpu_sums(x, m)
+    load = gpu_sums(x, m)  # [R, m]
     mean = load.mean(1, keepdims=True)
     if not (x.max(1, keepdims=True) >= mean).any():  # no hot GPU (see below) in any row
-        return p2l
+        return (p2l, load.max(1)) if with_max else p2l
     x3 = x.reshape(R, m, s)
     dom = x3.argmax(-1)  # [R, m] slot (in GPU) of the heaviest item
     big = np.take_along_axis(x3, dom[..., None], -1)[..., 0]  # [R, m]
@@ -247,7 +250,7 @@ def refill_hot(w: np.ndarray, p2l: np.ndarray, m: int, max_hot: int = 8) -> np.n
     h = hot.sum(1)
     rows = np.nonzero(h >= 1)[0]
     if rows.size == 0:
-        return p2l
+        return (p2l, load.max(1)) if with_max else p2l
     k = int(min(max_hot, h[rows].max(), max(2, 32 // (s - 1))))
     Rr = rows.size
     rr = np.arange(Rr)
@@ -315,4 +318,4 @@ def refill_hot(w: np.ndarray, p2l: np.ndarray, m: int, max_hot: int = 8) -> np.n
     better = ok_rows & (max_load(w[rows], new, m) < max_load(w[rows], old, m)) & ~has_duplicates(new, m)
     out = p2l.copy()
     out[rows[better]] = new[better]
-    return out
+    return (out, max_load(w, out, m)) if with_max else out

@@ -22,13 +22,16 @@ def solve(w: np.ndarray, p: int, m: int, share: float = 1.0, with_reference: boo
     `share` < 1 scales the improvement budgets down (and lets them reach zero) when the
     caller has other work to do in the same time. With `with_reference`, also returns
     ref [R]: the max GPU load of DeepSeek's own placement of every row (computed on small
-    problems only; inf elsewhere)."""
+    problems only; inf elsewhere), and top [R]: the max GPU load of p2l (bit for bit
+    `rows.max_load`; the steps compute it on the way, so the caller need not)."""
     R, n = w.shape
     s = p // m
     cap = m
     size = R * p
     c = replica_counts(w, p, cap)  # [R, n]
-    p2l = repair_duplicates(w, pack(w, c, m), m)
+    packed, load = pack(w, c, m, with_loads=True)  # [R, p], [R, m]
+    p2l = repair_duplicates(w, packed, m)
+    top = load.max(1) if p2l is packed else None  # [R] max GPU load, while it is known
     lo = 1 if share >= 1 else 0
     # on large problems the improvement phases skip rows already within 0.05% of perfect
     # balance (the budget is set by the size, so the time only goes down)
@@ -37,7 +40,10 @@ def solve(w: np.ndarray, p: int, m: int, share: float = 1.0, with_reference: boo
     many_rows = max(1, R // 64) if size > SMALL else 1  # per-row overhead of large problems
     if s > 2:
         iters = iterations(int(PAIR_WORK * share), size * many_rows, (PAIR_ITERS[0] * lo, PAIR_ITERS[1]))
-        r = np.nonzero(max_load(w, p2l, m) > good * mean)[0] if iters > 0 else ()  # iters 0: a no-op
+        if iters > 0:
+            r = np.nonzero((max_load(w, p2l, m) if top is None else top) > good * mean)[0]
+        else:
+            r = ()  # iters 0: a no-op
         if len(r):
             p2l[r] = improve_pairs(w[r], p2l[r], m, iters)
         max_iters = iterations(int(MAX_WORK * share), size ** 2 * many_rows, MAX_ITERS)
@@ -64,12 +70,14 @@ def solve(w: np.ndarray, p: int, m: int, share: float = 1.0, with_reference: boo
         r = np.nonzero(max_load(w, p2l, m) > (1 + 1e-3) * mean)[0]  # rows not yet balanced
         if r.size:
             p2l[r] = count_moves(w[r], p2l[r], m, cap, COUNT_MOVES_WORK)
-    p2l = refill_hot(w, p2l, m)
+    p2l, top = refill_hot(w, p2l, m, with_max=True)
     ref = np.full(R, np.inf)
     if size <= SMALL and share >= 1:
         ds, ref = deepseek_rows(w, p, m)
-        p2l = keep_better(w, p2l, ds, m)
-    return (p2l, ref) if with_reference else p2l
+        kept = keep_better(w, p2l, ds, m)
+        if kept is not p2l:
+            p2l, top = kept, max_load(w, kept, m)
+    return (p2l, ref, top) if with_reference else p2l
 
 
 def deepseek_rows(w: np.ndarray, p: int, m: int) -> np.ndarray:
