@@ -552,6 +552,52 @@ def test_pack_matches_a_per_row_reference():
         assert np.array_equal(pack(w, c, m), _pack_reference(w, c, m))
 
 
+def test_the_max_gpu_loads_the_steps_hand_on_are_those_of_max_load():
+    """`pack(with_loads)`, `refill_hot(with_max)` and `solve(with_reference)` hand on GPU
+    loads they computed on the way, so that the planner need not compute them again:
+    they must be `rows.max_load`'s bit for bit (plans compare them with `<`), on small
+    problems (where DeepSeek's plan may replace a row) and large ones, with hot experts
+    (refill_hot changes rows) and with ties."""
+    from eplb.core.policy.packing import pack, refill_hot
+    from eplb.core.policy.rows import gpu_sums, max_load, slot_loads, counts_of
+    from eplb.core.policy.solve import solve
+
+    rng = np.random.default_rng(5)
+    refilled = 0
+    for trial in range(30):
+        m, s = int(rng.integers(2, 9)), int(rng.integers(2, 7))
+        p = m * s
+        n = int(rng.integers(max(1, -(-p // m)), p + 1))
+        R = int(rng.integers(1, 7))
+        w = rng.integers(0, 3, (R, n)).astype(np.float64) if trial % 3 == 0 else rng.exponential(1.0, (R, n)) ** 4 * 100
+        c = replica_counts(w, p, m)
+        p2l, load = pack(w, c, m, with_loads=True)
+        assert np.array_equal(p2l, pack(w, c, m))
+        assert np.array_equal(load, gpu_sums(slot_loads(w, p2l, counts_of(p2l, n)), m))
+        out, top = refill_hot(w, p2l, m, with_max=True)
+        assert np.array_equal(out, refill_hot(w, p2l, m))
+        assert np.array_equal(top, max_load(w, out, m))
+        refilled += int((out != p2l).any())
+    assert refilled > 0  # the path where refill_hot changes rows ran
+    problems = []
+    for R, n, p, m in [(4, 16, 24, 4), (6, 64, 80, 8), (40, 256, 288, 32)]:  # the last: R p > SMALL
+        w = rng.exponential(1.0, (R, n)) ** 4 * 100
+        w[:, :2] *= 20  # hot experts: refills
+        problems.append((w, p, m))
+    for seed in (84, 283, 314):  # small problems where DeepSeek's own plan wins a row (found by search)
+        g = np.random.default_rng(seed)
+        m, s = int(g.integers(2, 9)), int(g.integers(1, 5))
+        n = int(g.integers(max(1, -(-m * s // m)), m * s + 1))
+        w = [lambda: g.integers(0, 4, (3, n)).astype(float), lambda: g.exponential(1.0, (3, n)) ** 4 * 100,
+             lambda: g.zipf(1.3, (3, n)).astype(float)][seed % 3]()
+        problems.append((w, m * s, m))
+    for w, p, m in problems:
+        for share in (1.0, 0.5):
+            p2l, ref, top = solve(w, p, m, share=share, with_reference=True)
+            assert np.array_equal(p2l, solve(w, p, m, share=share))
+            assert np.array_equal(top, max_load(w, p2l, m))
+
+
 def test_align_refuses_a_gpu_holding_an_expert_twice(monkeypatch):
     """`moves.align` relies on every GPU of `new` holding an expert once: two replicas of
     one expert on one GPU would both claim the old slot, so it raises instead of writing
