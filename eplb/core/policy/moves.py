@@ -42,44 +42,54 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
     first = np.full(R * n, U, dtype=np.int32)
     first[key_old.ravel()[::-1]] = np.repeat(np.arange(U - 1, -1, -1, dtype=np.int32), s)  # written last = lowest slot wins
     cand = np.take(first, key_new)  # [s, U]
-    # ov: how many items of the same new GPU have the same candidate (s comparison passes);
-    # an item without candidate counts 0. The int8 passes add a mask viewed as int8 (0/1):
-    # adding the bool mask itself would go through a buffered cast
+    # ov: how many items of the same new GPU have the same candidate; an item without
+    # candidate counts 0. Each pair of slots (j, j + d) is compared once (s - 1 shifted
+    # passes) and counts for both. The int8 passes add a mask viewed as int8 (0/1): adding
+    # the bool mask itself would go through a buffered cast
     small = s <= 127
-    ov = np.zeros((s, U), dtype=np.int8 if small else np.int64)
-    for k in range(s):
-        eq = cand == cand[k]  # [s, U]
-        ov += eq.view(np.int8) if small else eq
+    ov = np.ones((s, U), dtype=np.int8 if small else np.int64)  # every item counts itself
+    for d in range(1, s):
+        eq = cand[d:] == cand[:-d]  # [s - d, U] slot j + d vs slot j
+        eq = eq.view(np.int8) if small else eq
+        ov[d:] += eq
+        ov[:-d] += eq
     ov *= cand < U
     # an item's proposal key, maximal over its GPU for the proposal: its overlap, then the
     # lower slot (as argmax: the first maximum), then its candidate in the low bits (bit
-    # fields, so that shifts and masks take them apart). An item whose candidate is taken
-    # (or absent) keeps `low`: overlap 0, candidate U
+    # fields, so that shifts and masks take them apart); int32 when the fields fit (they do
+    # at the usual shapes: half the bytes of every round's passes)
     c_bits = int(U).bit_length()  # cand in 0..U
+    c_mask = (1 << c_bits) - 1
     o_shift = c_bits + int(s - 1).bit_length()  # above the slot field (rev in 0..s-1)
-    rev = np.arange(s - 1, -1, -1, dtype=np.int64)[:, None] << c_bits  # [s, 1]
-    okey = ov.astype(np.int64)
+    key_dtype = np.int32 if o_shift + int(s).bit_length() <= 31 else np.int64  # ov in 0..s
+    okey = ov.astype(key_dtype)
     okey <<= o_shift
-    okey |= rev
+    okey |= np.arange(s - 1, -1, -1, dtype=key_dtype)[:, None] << c_bits  # rev: lower slot first
     okey |= cand  # [s, U]
-    low = rev | U  # [s, 1]
+    # an item whose candidate is taken scores as if it had none: overlap 0, candidate U. Its
+    # own slot field then only matters when nothing of its GPU is left: the max is then
+    # `floor`, slot 0 with candidate U, which every available item's key is at least. So a
+    # round takes the max of the keys of the available items (others 0) and `floor`
+    floor = ((s - 1) << c_bits) | U
     match = np.full(U, -1, dtype=np.int64)  # new GPU -> flat old GPU r m + g'
-    taken = np.zeros(U + 1, dtype=bool)  # old GPU already matched (U: none)
+    avail = np.ones(U + 1, dtype=bool)  # old GPU not matched yet (U: none, never matched)
     # every old GPU is proposed to in one round at most (it then takes its best proposer),
     # so `top` needs no reset between rounds
-    top = np.full(U + 1, -1, dtype=np.int64)
+    top = np.full(U + 1, -1, dtype=np.int32)
     # every round works on the new GPUs still proposing: a matched GPU, or one whose best
     # score was 0 (scores only drop as old GPUs are taken), never proposes again
     live = np.arange(U)  # [U'] flat new GPU
-    tie = np.empty((R, m), dtype=np.int64)
-    tie[:] = np.arange(m, 0, -1)
+    tie = np.empty((R, m), dtype=np.int32)
+    tie[:] = np.arange(m, 0, -1, dtype=np.int32)
     tie = tie.ravel()  # [U'] m - g: the lower new GPU wins ties
-    c_live, k_live = cand, okey  # [s, U']
+    k_live = okey  # [s, U']
     for rnd in range(rounds):
-        score = k_live if rnd == 0 else np.where(np.take(taken, c_live), low, k_live)  # [s, U'] (nothing taken in round 0)
-        smax = score.max(0)  # [U']
-        best = smax >> o_shift  # [U'] best overlap
-        tflat = smax & ((1 << c_bits) - 1)  # [U'] flat old GPU proposed to (U: no proposal)
+        if rnd == 0:  # nothing taken yet
+            smax = k_live.max(0)  # [U']
+        else:  # (a product, not np.where: where is slow on mixed masks)
+            smax = np.maximum((k_live * np.take(avail, k_live & c_mask)).max(0), floor)
+        best = (smax >> o_shift).astype(np.int32)  # [U'] best overlap
+        tflat = smax & c_mask  # [U'] flat old GPU proposed to (U: no proposal)
         key = best * (m + 1) + tie  # [U'] unique per new GPU
         np.maximum.at(top, tflat, key)
         top[U] = -1  # the non-proposers' dummy: nobody wins it
@@ -89,16 +99,17 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
             break
         tw = tflat[w]
         match[live[w]] = tw
-        taken[tw] = True
+        avail[tw] = False
         stay = np.flatnonzero((tflat < U) ^ win)  # proposed, not accepted
-        live, tie, c_live, k_live = live[stay], tie[stay], c_live[:, stay], k_live[:, stay]
+        # (np.take along axis 1: much faster than k_live[:, stay])
+        live, tie, k_live = live[stay], tie[stay], np.take(k_live, stay, axis=1)
         if live.size == 0:
             break
     # leftovers: k-th unmatched new GPU takes the k-th free old GPU. A row has as many of
     # each, so the two lists of flat indices in row-major order pair them row by row
     unmatched = match < 0  # [U]
     if unmatched.any():
-        match[unmatched] = np.flatnonzero(~taken[:U])
+        match[unmatched] = np.flatnonzero(avail[:U])
     # slots inside each GPU: v_of, the old slot of an expert that stays (the last slot of
     # its matched old GPU holding it; newcomers -1)
     slot_dtype = np.int8 if s <= 127 else np.int32  # a slot inside a GPU; 1 byte when it fits
@@ -109,10 +120,12 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
         slot_of[old_key.ravel()] = np.tile(np.arange(s, dtype=slot_dtype), U)  # last write = highest slot
         v_of = np.take(slot_of, np.add(new_t, match * n, order="C"))  # [s, U]
     else:  # many GPUs and experts, few slots per GPU: s comparison passes cost less than the map
-        held = key_old.reshape(U, s).T.take(match, axis=1)  # [s, U] old content of the matched GPU
+        # [s, U] old content of the matched GPU, int32 like key_new (a mixed compare casts);
+        # whole GPUs gathered first (contiguous rows), then slot-major
+        held = key_old.reshape(U, s).take(match, axis=0).T.astype(np.int32, order="C")
         v_of = np.full((s, U), -1, dtype=slot_dtype)
         for v in range(s):
-            v_of[key_new == held[v]] = v  # last write = highest slot
+            np.copyto(v_of, v, where=key_new == held[v])  # last write = highest slot
     # fc[t]: free old slots among 0..t of the matched GPU (not kept by a stayer)  [s, U]
     fc = np.empty((s, U), dtype=slot_dtype)
     run = np.zeros(U, dtype=slot_dtype)
@@ -135,13 +148,22 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
     for t in range(s):
         before = fc[t] < q  # [s, U]
         slot += before.view(np.int8) if small else before
-    # flat slot of the result, GPU-major like `new`
-    dest = slot.T.astype(np.intp, order="C")  # [U, s] (C order: numpy's fast scatter)
-    dest += (match * s)[:, None]
+    # flat slot of the result. Few slots per GPU: slot-major [s, U] (a GPU-major cast of
+    # `slot` would run s-long inner loops); else GPU-major [U, s] like `new` (a C-order
+    # index and values: numpy's fast scatter)
     out = np.empty(new.shape, dtype=new.dtype)  # C order: ravel() is a view
-    out.ravel()[dest] = new.reshape(U, s)
-    if not with_source:
-        return out
+    if s <= 4:
+        dest = np.add(slot, match * s)  # [s, U] intp
+        out.ravel()[dest] = new_t
+        if not with_source:
+            return out
+        dest = dest.T  # [U, s] view
+    else:
+        dest = slot.T.astype(np.intp, order="C")  # [U, s]
+        dest += (match * s)[:, None]
+        out.ravel()[dest] = new.reshape(U, s)
+        if not with_source:
+            return out
     source = np.empty(new.shape, dtype=new.dtype)
     source.ravel()[dest.reshape(R, m, s)] = np.arange(p).reshape(m, s)
     return out, source
