@@ -598,6 +598,49 @@ def test_the_max_gpu_loads_the_steps_hand_on_are_those_of_max_load():
             assert np.array_equal(top, max_load(w, p2l, m))
 
 
+@pytest.mark.parametrize("few", [-1, 2, 10**9])
+def test_pack_trades_alike_in_passes_and_one_by_one(monkeypatch, few):
+    """`packing._untangle` trades items in conflict in [rows, m] passes, one by one in
+    Python when at most `_FEW` are (left), or both: each gives the per-row reference's
+    placement, also with 8 GPUs (closed GPUs counted in a 64-bit word) and with more
+    rows than GPUs (per-row tables)."""
+    from eplb.core.policy import packing
+
+    monkeypatch.setattr(packing, "_FEW", few)
+    rng = np.random.default_rng(12)
+    for trial in range(30):
+        m = 8 if trial % 2 else int(rng.integers(2, 12))
+        s = int(rng.integers(2, 6))
+        p = m * s
+        n = int(rng.integers(max(1, -(-p // m)), p + 1))
+        R = int(rng.integers(1, 16))
+        if trial % 3 == 0:  # ties
+            w = rng.integers(0, 3, (R, n)).astype(np.float64)
+        else:  # skewed: hot experts get up to m replicas
+            w = rng.exponential(1.0, (R, n)) ** 3 * 100
+        c = replica_counts(w, p, m)  # [R, n]
+        assert np.array_equal(packing.pack(w, c, m), _pack_reference(w, c, m))
+
+
+@pytest.mark.parametrize("few", [-1, 10**9])
+def test_untangle_trades_with_the_lower_of_two_equally_near_items(monkeypatch, few):
+    """An item whose expert its GPU already holds trades GPUs with the nearest free item
+    of the round, the lower one when two are as near (in passes and one by one alike):
+    the plans depend on it, and random packings almost never meet such a tie."""
+    from eplb.core.policy import packing
+
+    monkeypatch.setattr(packing, "_FEW", few)
+    m = 3
+    gpus = np.array([[0, 1, 2]])  # [R, m] GPU of item j
+    em = np.array([[0, 1, 2]]) * m  # [R, m] expert of item j, times m (flat index base in held)
+    held = np.zeros(3 * m, dtype=bool)  # [(expert, GPU)]
+    held[1 * m + 1] = True  # GPU 1 already holds expert 1, the expert of item 1
+    bad = held[em + gpus]
+    assert bad.tolist() == [[False, True, False]]
+    packing._untangle(gpus, em, bad, held)
+    assert gpus.tolist() == [[1, 0, 2]]  # item 1 traded with item 0, not item 2
+
+
 def test_align_refuses_a_gpu_holding_an_expert_twice(monkeypatch):
     """`moves.align` relies on every GPU of `new` holding an expert once: two replicas of
     one expert on one GPU would both claim the old slot, so it raises instead of writing

@@ -42,6 +42,15 @@ def pack(w: np.ndarray, c: np.ndarray, m: int, with_loads: bool = False):
     # is open, else base + p - m (t + 1) (the last light items left), where
     # base = r * p + m t + j - (GPUs closed in the rounds before).
     base = (rows * p)[:, None] + j  # [R, m]
+    # Row c of these tables is for a row with c closed GPUs: 1 for the items j >= m - c,
+    # which go to the closed GPUs, and the number of open GPUs m - c. Taking an [R] index,
+    # they broadcast per-row values to [R, m] in one pass; worth it while they are smaller
+    # than the [R, m] arrays of a round.
+    tables = m < R
+    if tables:
+        cs = np.arange(m + 1, dtype=np.int64)[:, None]  # [m + 1, 1]
+        to_closed = (j[0] >= m - cs).astype(np.int64)  # [m + 1, m]
+        opened = np.repeat(m - cs, m, axis=1)  # [m + 1, m]
     gpus = np.empty((R, m), dtype=np.int64)  # [R, m] GPU of item j of the round
     pick = np.empty((R, m), dtype=np.int64)  # [R, m] flat item j of the round
     gflat = np.empty((R, m), dtype=np.int64)  # [R, m] its flat GPU r * m + g
@@ -55,15 +64,28 @@ def pack(w: np.ndarray, c: np.ndarray, m: int, with_loads: bool = False):
         # GPUs at or above the current mean load are closed
         mean = np.add.reduce(load, axis=1, keepdims=True)
         mean /= m  # = load.mean(1, keepdims=True), bit for bit, without its Python overhead
-        closed = np.add.reduce(load >= mean, axis=1, dtype=np.int64)  # [R]
-        nopen = np.repeat(m - closed, m).reshape(R, m)  # [R, m] open GPUs of the row
+        if m == 8:
+            # a row of 8 bools is one 64-bit word of 0/1 bytes; times 0x0101..01, its top
+            # byte is their sum (at most 8: no carry); cheaper than a reduce over rows
+            closed = (load >= mean).view(np.uint64)  # [R, 1]
+            closed *= 0x0101010101010101
+            closed >>= 56
+            closed = closed.view(np.int64).reshape(R)
+        else:
+            closed = np.add.reduce(load >= mean, axis=1, dtype=np.int64)  # [R]
         np.bitwise_and(load.view(np.int64), ~low, out=gpus)
         gpus |= j
         gpus.sort(axis=1)
         gpus &= low  # [R, m] lightest first; closed GPUs come last
-        np.multiply(j >= nopen, p - m * (rnd + 1), out=pick)  # items j >= nopen go to closed GPUs
-        pick += base
-        base += nopen
+        if tables:
+            np.take(to_closed * (p - m * (rnd + 1)), closed, axis=0, out=pick, mode="clip")
+            pick += base
+            base += opened.take(closed, axis=0)  # += the row's open GPUs
+        else:
+            nopen = np.repeat(m - closed, m).reshape(R, m)  # [R, m] open GPUs of the row
+            np.multiply(j >= nopen, p - m * (rnd + 1), out=pick)  # items j >= nopen go to closed GPUs
+            pick += base
+            base += nopen
         em = hold[pick]  # [R, m]
         hkey = em + gpus
         bad = held[hkey]
@@ -122,16 +144,35 @@ def _distances(m: int) -> np.ndarray:
     return d
 
 
+@lru_cache(maxsize=None)
+def _nearest(m: int) -> tuple:
+    """For every j0 < m: the other j < m by increasing |j - j0|, the lower one first on ties
+    (the order in which `dist.argmin` of `_untangle` prefers them)."""
+    return tuple(tuple(j for d in range(1, m) for j in (j0 - d, j0 + d) if 0 <= j < m) for j0 in range(m))
+
+
+# Up to this many items in conflict (left), `_untangle` trades them one by one in Python:
+# about a microsecond each, where one step of its [rows, m] passes costs some tens.
+_FEW = 64
+
+
 def _untangle(gpus, em, bad, held):
     """Within one packing round (item j of row r goes to GPU gpus[r, j]; em[r, j] + g is
     the flat index in held of its expert on GPU g), let every item whose expert that GPU
     already holds trade GPUs with the nearest item of the round for which both GPUs are
     free of the other's expert. bad [R, m]: the items in conflict. Changes gpus in place."""
     R, m = gpus.shape
+    nz = np.flatnonzero(bad)  # flat items in conflict, row by row
+    if nz.size <= _FEW:
+        _untangle_few(gpus, em, held, nz)
+        return
     dist0 = _distances(m)  # [m, m] |j - j0|
-    j0 = bad.argmax(1)  # [R] first bad item
-    rows = bad.ravel()[np.arange(0, R * m, m) + j0].nonzero()[0]  # [B] rows with a conflict; only these ever change
-    g, ee, bad, j0 = gpus[rows], em[rows], bad[rows], j0[rows]  # [B, m], j0 [B]
+    rn = nz // m  # row of each item in conflict, ascending
+    first = np.ones(nz.size, dtype=bool)  # first item in conflict of its row
+    np.not_equal(rn[1:], rn[:-1], out=first[1:])
+    rows = rn[first]  # [B] rows with a conflict; only these ever change
+    j0 = nz[first] - rows * m  # [B] their first bad item
+    g, ee, bad = gpus[rows], em[rows], bad[rows]  # [B, m]
     gf, ef, bf = g.ravel(), ee.ravel(), bad.ravel()
     live = np.arange(rows.size)  # [A] rows of g with a conflict left
     gl, el = g, ee  # [A, m] their GPUs and experts
@@ -161,7 +202,13 @@ def _untangle(gpus, em, bad, held):
         gf[f1] = g0
         bf[f0] = False
         bf[f1] = False
-        j0 = bad[live].argmax(1)  # [A] next bad item, if any
+        rest = bad[live]  # [A, m] items still in conflict
+        if np.count_nonzero(rest) <= _FEW:  # few left: one by one
+            gpus[rows] = g
+            f = np.flatnonzero(rest)
+            _untangle_few(gpus, em, held, rows[live[f // m]] * m + f % m)
+            return
+        j0 = rest.argmax(1)  # [A] next bad item, if any
         still = bf[live * m + j0]
         nstill = np.count_nonzero(still)
         if nstill < live.size:
@@ -170,6 +217,33 @@ def _untangle(gpus, em, bad, held):
             live, j0 = live[still], j0[still]
         gl, el = g[live], ee[live]
     gpus[rows] = g
+
+
+def _untangle_few(gpus, em, held, nz):
+    """`_untangle` for a few items in conflict (nz: their flat indices, ascending): the
+    same trades, one item after the other, read and made through memoryviews (Python
+    ints and bools, cheaper than numpy scalars)."""
+    m = gpus.shape[1]
+    near = _nearest(m)
+    hv, gv, ev = memoryview(held), memoryview(gpus.ravel()), memoryview(em.ravel())  # gpus and em are contiguous
+    traded = set()  # flat items that took a bad item's GPU: no longer in conflict
+    dead = -1  # first flat item of the last row given up
+    for f in nz.tolist():
+        lo = f - f % m  # its row's first flat item
+        if lo == dead or f in traded:
+            continue
+        e0, g0 = ev[f], gv[f]
+        for j1 in near[f - lo]:
+            f1 = lo + j1
+            e1 = ev[f1]
+            if e1 != e0 and not hv[gv[f1] + e0] and not hv[e1 + g0]:
+                break
+        else:
+            dead = lo  # the rest of the row is left to the repair pass
+            continue
+        gv[f] = gv[f1]
+        gv[f1] = g0
+        traded.add(f1)
 
 
 def repair_duplicates(w: np.ndarray, p2l: np.ndarray, m: int, cap_iters: int = 10_000) -> np.ndarray:
