@@ -2,7 +2,7 @@
 exchanges between GPUs, and moves aimed at the most loaded GPU (swaps, replica count
 changes). No two replicas of one expert ever end up on one GPU.
 
-About 440 lines: the two searches share the exchange tables, the swap scoring and the
+About 460 lines: the two searches share the exchange tables, the swap scoring and the
 duplicate checks, and the pair exchanges keep a second, slot-major layout for speed."""
 from __future__ import annotations
 
@@ -273,6 +273,8 @@ def improve_max(
     eps = REL_EPS * w.sum(1) / m  # [R]
     c = counts_of(p2l, n)  # [R, n] kept up to date
     on = presence(p2l, m, n)  # [R, m, n] kept up to date
+    on_g = on.reshape(R * m, n)  # views of `on`: GPU r * m + g's experts,
+    on_f = on.reshape(-1)  # and flat index (r * m + g) * n + e (gathers without index broadcasting)
     active = np.ones(R, dtype=bool)
     # candidate sets: everything on small problems, the lightest GPUs and the heaviest
     # replicas of g* on large ones (about _MAX_CANDIDATES candidates of each kind in all)
@@ -281,12 +283,14 @@ def improve_max(
     n_hot = max(1, min(s, _MAX_CANDIDATES // (R * s * n_light)))  # experts of g* given a replica
     iters = budget
     knew = min(3, n)
+    slot = np.arange(s)
     for _ in range(iters):
-        ra = np.nonzero(active)[0]
+        ra = np.flatnonzero(active)
         if ra.size == 0:
             break
         P_, W_, C_ = p2l[ra], w[ra], c[ra]  # [A, p], [A, n], [A, n]
-        x = take(W_ / C_, P_)  # [A, p]
+        wc = W_ / C_  # [A, n] replica load
+        x = take(wc, P_)  # [A, p]
         load = gpu_sums(x, m)  # [A, m]
         g1 = load.argmax(1)
         A_ = ra.size
@@ -297,60 +301,72 @@ def improve_max(
             if reached.any():
                 active[ra[reached]] = False
                 keep = ~reached
-                ra, P_, W_, C_, x, load, g1, top = (
-                    ra[keep], P_[keep], W_[keep], C_[keep], x[keep], load[keep], g1[keep], top[keep])
+                ra, P_, W_, C_, wc, x, load, g1, top = (
+                    ra[keep], P_[keep], W_[keep], C_[keep], wc[keep], x[keep], load[keep], g1[keep], top[keep])
                 A_ = ra.size
                 ar = np.arange(A_)
                 if A_ == 0:
                     break
+        # row-wise gathers as flat ones: a[r, i] = a.ravel()[i + r * width], offsets once
+        op, on_, om = (ar * p)[:, None], (ar * n)[:, None], (ar * m)[:, None]  # [A, 1]
+        rm = (ra * m)[:, None]  # [A, 1] row offset in on_g
+        Pf, Cf, xf, lf = P_.ravel(), C_.ravel(), x.ravel(), load.ravel()
         rest = load.copy()
         rest[ar, g1] = -np.inf
         g2 = rest.argmax(1)
         v2 = rest[ar, g2]  # max without g*
         rest[ar, g2] = -np.inf
         v3 = rest.max(1)  # max without g* and g2
-        ra_ = ra[:, None]
-        g_slots = g1[:, None] * s + np.arange(s)  # [A, s]
-        g_exp = take(P_, g_slots)  # [A, s]
-        g_x = take(x, g_slots)
+        g_slots = g1[:, None] * s + slot  # [A, s]
+        g_exp = Pf[g_slots + op]  # [A, s]
+        g_x = xf[g_slots + op]
+        on_top = on_g[ra * m + g1]  # [A, n] experts on g*
+        ot_f = on_top.ravel()
+        by_load = argsort_rows(load)  # [A, m] lightest first
 
         # ---- swaps
         if swap_all:
             other = np.broadcast_to(np.arange(p), (A_, p))
         else:  # the lightest GPUs and the heaviest ones after g*
-            by_load = argsort_rows(load)
             half = max(1, n_light // 2)
             partners = np.concatenate([by_load[:, :n_light - half], by_load[:, m - 1 - half:m - 1]], 1)
-            other = (partners[:, :, None] * s + np.arange(s)).reshape(A_, -1)
+            other = (partners[:, :, None] * s + slot).reshape(A_, -1)
         O = other.shape[1]
         o_gpu = gpu[other]  # [A, O]
-        o_exp = take(P_, other)
-        delta = g_x[:, :, None] - take(x, other)[:, None, :]  # [A, s, O] load leaving g*
-        o_load = take(load, o_gpu)  # [A, O]
+        o_exp = Pf[other + op]
+        delta = g_x[:, :, None] - xf[other + op][:, None, :]  # [A, s, O] load leaving g*
+        o_load = lf[o_gpu + om]  # [A, O]
         new_g = top[:, None, None] - delta
         new_o = o_load[:, None, :] + delta
         untouched = np.where(o_gpu == g2[:, None], v3[:, None], v2[:, None])  # [A, O]
-        score = np.maximum(np.maximum(new_g, new_o), untouched[:, None, :])
-        ok = (o_gpu != g1[:, None])[:, None, :] & (delta > 0)
-        ok &= ~on[ra_, g1[:, None], o_exp][:, None, :]  # the other expert is not on g*
-        ok &= ~on[ra[:, None, None], o_gpu[:, None, :], g_exp[:, :, None]]  # g*'s is not there
-        score = np.where(ok, score, np.inf).reshape(A_, -1)
-        dsq = (new_g ** 2 + new_o ** 2 - o_load[:, None, :] ** 2).reshape(A_, -1) - (top ** 2)[:, None]
+        score = np.maximum(new_g, new_o)
+        np.maximum(score, untouched[:, None, :], out=score)
+        ok = delta > 0
+        ok &= ((o_gpu != g1[:, None]) & ~ot_f[o_exp + on_])[:, None, :]  # the other expert is not on g*
+        ok &= ~on_f[((rm + o_gpu) * n)[:, None, :] + g_exp[:, :, None]]  # g*'s is not there
+        np.copyto(score, np.inf, where=~ok)
+        score = score.reshape(A_, -1)
+        dsq = np.square(new_g)  # new sum of squares minus the old: [A, s, O] -> [A, s * O]
+        dsq += np.square(new_o)
+        dsq -= np.square(o_load)[:, None, :]
+        dsq = dsq.reshape(A_, -1)
+        dsq -= np.square(top)[:, None]
         sw = lexmin(score, dsq)
 
         # ---- count changes
-        slot_load = load[ar[:, None], gpu[None, :]]  # [A, p]
-        fe = (P_ + (ar * n)[:, None])  # [A, p] flat expert index
+        slot_load = np.repeat(load, s, 1)  # [A, p] load of the slot's GPU
+        # g* excluded (np.where: with -inf written in place, np.maximum.at below ran ~20x slower here)
         masked = np.where(gpu[None, :] == g1[:, None], -np.inf, slot_load)
         emax = np.full(A_ * n, -np.inf)
-        np.maximum.at(emax, fe.ravel(), masked.ravel())
-        emax = emax.reshape(A_, n)  # max load of the GPUs holding e, g* excluded
+        np.maximum.at(emax, (P_ + on_).ravel(), masked.ravel())  # [A * n] max load of the GPUs holding e, g* excluded
         nb_all = W_ / (C_ + 1)  # [A, n] replica load of b after one more replica
-        inc_all = W_ / np.maximum(C_ - 1, 1) - W_ / C_  # growth of a's replicas after one fewer
-        dec_all = W_ / C_ - nb_all  # shrink of b's replicas
+        inc_all = W_ / np.maximum(C_ - 1, 1) - wc  # growth of a's replicas after one fewer
+        dec_all = wc - nb_all  # shrink of b's replicas
+        nb_f, inc_f, dec_f = nb_all.ravel(), inc_all.ravel(), dec_all.ravel()
         # (i) slot on g* -> one of the experts with the smallest new replica load
-        allowed = (C_ < cap) & ~on[ra_, g1[:, None], np.arange(n)[None, :]]
-        pool = np.where(allowed, nb_all, np.inf)
+        allowed = (C_ < cap) & ~on_top
+        pool0 = np.where(allowed, nb_all, np.inf)
+        pool = pool0.copy()
         cand = []
         for _ in range(knew):
             b = pool.argmin(1)
@@ -358,34 +374,35 @@ def improve_max(
             pool[ar, b] = np.inf
         b1 = np.repeat(np.stack(cand, 1), s, 1)  # [A, knew*s]
         q1 = np.tile(g_slots, (1, knew))
-        a1 = take(P_, q1)
-        ok1 = (take(C_, a1) >= 2) & np.isfinite(take(np.where(allowed, nb_all, np.inf), b1))
-        top1 = top[:, None] - take(x, q1) + take(nb_all, b1)  # g*'s new load
-        grow1 = take(emax, a1) + take(inc_all, a1)  # the GPUs holding a, their new max
+        a1n = np.tile(g_exp, (1, knew)) + on_  # expert of slot q1, flat
+        b1n = b1 + on_
+        ok1 = (Cf[a1n] >= 2) & np.isfinite(pool0.ravel()[b1n])
+        top1 = top[:, None] - np.tile(g_x, (1, knew)) + nb_f[b1n]  # g*'s new load
+        grow1 = emax[a1n] + inc_f[a1n]  # the GPUs holding a, their new max
         sc1 = np.maximum(np.maximum(top1, grow1), v2[:, None])
         sc1 = np.where(ok1, sc1, np.inf)
         # (ii) expert b on g* (its heaviest replicas) takes a slot q of one of the lightest GPUs
         if n_hot < s:
             hot = argsort_rows(g_x, descending=True)[:, :n_hot]
-            hot_exp = take(g_exp, hot)  # [A, n_hot]
+            hot_exp = np.take_along_axis(g_exp, hot, 1)  # [A, n_hot]
         else:
             hot_exp = g_exp
-        light = argsort_rows(load)[:, :n_light]
+        light = by_load[:, :n_light]
         light = np.where(light == g1[:, None], light[:, :1], light) if n_light < m else light
-        lslots = (light[:, :, None] * s + np.arange(s)).reshape(A_, -1)  # [A, Lq]
+        lslots = (light[:, :, None] * s + slot).reshape(A_, -1)  # [A, Lq]
         Lq = lslots.shape[1]
         q2 = np.tile(lslots, (1, n_hot))  # [A, n_hot*Lq]
         b2 = np.repeat(hot_exp, Lq, 1)
-        a2 = take(P_, q2)
+        a2 = Pf[q2 + op]
         gq = gpu[q2]
-        ca2 = take(C_, a2)
-        ok2 = (ca2 >= 2) & (take(C_, b2) < cap) & (a2 != b2) & (gq != g1[:, None])
-        ok2 &= ~on[ra_, gq, b2]
-        inc2 = take(inc_all, a2)
-        a_on_g = on[ra_, g1[:, None], a2]
-        new_top = top[:, None] - take(dec_all, b2) + np.where(a_on_g, inc2, 0.0)
-        new_q = take(load, gq) - take(x, q2) + take(nb_all, b2)
-        grow2 = take(emax, a2) + inc2
+        a2n, b2n = a2 + on_, b2 + on_
+        ok2 = (Cf[a2n] >= 2) & (Cf[b2n] < cap) & (a2 != b2) & (gq != g1[:, None])
+        ok2 &= ~on_f[(rm + gq) * n + b2]
+        inc2 = inc_f[a2n]
+        a_on_g = ot_f[a2n]
+        new_top = top[:, None] - dec_f[b2n] + np.where(a_on_g, inc2, 0.0)
+        new_q = lf[gq + om] - xf[q2 + op] + nb_f[b2n]
+        grow2 = emax[a2n] + inc2
         untouched2 = np.where(gq == g2[:, None], v3[:, None], v2[:, None])
         sc2 = np.maximum(np.maximum(new_top, new_q), np.maximum(grow2, untouched2))
         sc2 = np.where(ok2, sc2, np.inf)
