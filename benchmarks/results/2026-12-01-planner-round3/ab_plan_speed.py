@@ -6,7 +6,7 @@ import subprocess, sys, json, os, numpy as np
 args = sys.argv[1:]
 dirs = []
 while args and os.path.isdir(args[0]):
-    dirs.append(args.pop(0))
+    dirs.append(os.path.abspath(args.pop(0)))
 if len(dirs) < 2:
     sys.exit("give at least two checkout directories")
 K = int(args[0]) if args else 4
