@@ -532,23 +532,31 @@ def _pack_reference(w, c, m):
     return out
 
 
+def _pack_problems(seed, trials, m_of, s_range, max_rows, power):
+    """Random packing problems (w [R, n], counts c [R, n], m): every third with ties
+    (integer loads 0-2), the others skewed (exponential ** power: hot experts get up to
+    m replicas). m_of(trial, rng) gives the GPUs of a problem."""
+    rng = np.random.default_rng(seed)
+    for trial in range(trials):
+        m = m_of(trial, rng)
+        s = int(rng.integers(*s_range))
+        p = m * s
+        n = int(rng.integers(max(1, -(-p // m)), p + 1))
+        R = int(rng.integers(1, max_rows))
+        if trial % 3 == 0:
+            w = rng.integers(0, 3, (R, n)).astype(np.float64)
+        else:
+            w = rng.exponential(1.0, (R, n)) ** power * 100
+        yield w, replica_counts(w, p, m), m  # [R, n], [R, n]
+
+
 def test_pack_matches_a_per_row_reference():
     """The vectorised packing rounds (presence map, in-round trades of items whose expert
     is already on the GPU) give the plain per-row reference's placement, bit for bit,
     on skewed loads with many replicas per expert and on loads with ties."""
     from eplb.core.policy.packing import pack
 
-    rng = np.random.default_rng(11)
-    for trial in range(40):
-        m, s = int(rng.integers(2, 7)), int(rng.integers(1, 6))
-        p = m * s
-        n = int(rng.integers(max(1, -(-p // m)), p + 1))
-        R = int(rng.integers(1, 6))
-        if trial % 3 == 0:  # ties
-            w = rng.integers(0, 3, (R, n)).astype(np.float64)
-        else:  # skewed: hot experts get up to m replicas
-            w = rng.exponential(1.0, (R, n)) ** 3 * 100
-        c = replica_counts(w, p, m)  # [R, n]
+    for w, c, m in _pack_problems(11, 40, lambda trial, rng: int(rng.integers(2, 7)), (1, 6), 6, 3):
         assert np.array_equal(pack(w, c, m), _pack_reference(w, c, m))
 
 
@@ -562,23 +570,17 @@ def test_the_max_gpu_loads_the_steps_hand_on_are_those_of_max_load():
     from eplb.core.policy.rows import gpu_sums, max_load, slot_loads, counts_of
     from eplb.core.policy.solve import solve
 
-    rng = np.random.default_rng(5)
     refilled = 0
-    for trial in range(30):
-        m, s = int(rng.integers(2, 9)), int(rng.integers(2, 7))
-        p = m * s
-        n = int(rng.integers(max(1, -(-p // m)), p + 1))
-        R = int(rng.integers(1, 7))
-        w = rng.integers(0, 3, (R, n)).astype(np.float64) if trial % 3 == 0 else rng.exponential(1.0, (R, n)) ** 4 * 100
-        c = replica_counts(w, p, m)
+    for w, c, m in _pack_problems(5, 30, lambda trial, rng: int(rng.integers(2, 9)), (2, 7), 7, 4):
         p2l, load = pack(w, c, m, with_loads=True)
         assert np.array_equal(p2l, pack(w, c, m))
-        assert np.array_equal(load, gpu_sums(slot_loads(w, p2l, counts_of(p2l, n)), m))
+        assert np.array_equal(load, gpu_sums(slot_loads(w, p2l, counts_of(p2l, w.shape[1])), m))
         out, top = refill_hot(w, p2l, m, with_max=True)
         assert np.array_equal(out, refill_hot(w, p2l, m))
         assert np.array_equal(top, max_load(w, out, m))
         refilled += int((out != p2l).any())
     assert refilled > 0  # the path where refill_hot changes rows ran
+    rng = np.random.default_rng(6)
     problems = []
     for R, n, p, m in [(4, 16, 24, 4), (6, 64, 80, 8), (40, 256, 288, 32)]:  # the last: R p > SMALL
         w = rng.exponential(1.0, (R, n)) ** 4 * 100
@@ -607,18 +609,7 @@ def test_pack_trades_alike_in_passes_and_one_by_one(monkeypatch, few):
     from eplb.core.policy import packing
 
     monkeypatch.setattr(packing, "_FEW", few)
-    rng = np.random.default_rng(12)
-    for trial in range(30):
-        m = 8 if trial % 2 else int(rng.integers(2, 12))
-        s = int(rng.integers(2, 6))
-        p = m * s
-        n = int(rng.integers(max(1, -(-p // m)), p + 1))
-        R = int(rng.integers(1, 16))
-        if trial % 3 == 0:  # ties
-            w = rng.integers(0, 3, (R, n)).astype(np.float64)
-        else:  # skewed: hot experts get up to m replicas
-            w = rng.exponential(1.0, (R, n)) ** 3 * 100
-        c = replica_counts(w, p, m)  # [R, n]
+    for w, c, m in _pack_problems(12, 30, lambda trial, rng: 8 if trial % 2 else int(rng.integers(2, 12)), (2, 6), 16, 3):
         assert np.array_equal(packing.pack(w, c, m), _pack_reference(w, c, m))
 
 
