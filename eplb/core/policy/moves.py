@@ -153,17 +153,15 @@ def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, wit
     # index and values: numpy's fast scatter)
     out = np.empty(new.shape, dtype=new.dtype)  # C order: ravel() is a view
     if s <= 4:
-        dest = np.add(slot, match * s)  # [s, U] intp
-        out.ravel()[dest] = new_t
-        if not with_source:
-            return out
-        dest = dest.T  # [U, s] view
+        dest_t = np.add(slot, match * s)  # [s, U] intp
+        out.ravel()[dest_t] = new_t
+        dest = dest_t.T  # [U, s] view
     else:
         dest = slot.T.astype(np.intp, order="C")  # [U, s]
         dest += (match * s)[:, None]
         out.ravel()[dest] = new.reshape(U, s)
-        if not with_source:
-            return out
+    if not with_source:
+        return out
     source = np.empty(new.shape, dtype=new.dtype)
     source.ravel()[dest.reshape(R, m, s)] = np.arange(p).reshape(m, s)
     return out, source
