@@ -126,7 +126,6 @@ def count_moves(w: np.ndarray, p2l: np.ndarray, m: int, cap: int, work: int, ste
         if rows.size == 0:
             break
         wr, c = w[rows], counts_of(out[rows], n)  # [A, n]
-        A_ = rows.size
         ka, kb = min(pool, n), min(pool, n)
         multi = np.where(c >= 2, wr, -1.0)  # [A, n]
         a_set = argsort_rows(np.maximum(multi, 0) + (c >= 2), descending=True)[:, :ka]  # [A, ka]
