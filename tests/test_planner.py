@@ -632,6 +632,20 @@ def test_untangle_trades_with_the_lower_of_two_equally_near_items(monkeypatch, f
     assert gpus.tolist() == [[1, 0, 2]]  # item 1 traded with item 0, not item 2
 
 
+def test_has_duplicates_looks_inside_each_gpu_only():
+    """`rows.has_duplicates` (used by the duplicate repair, the refill and the pair
+    exchanges) flags a row where one GPU holds an expert twice, and not a row where two
+    neighbouring GPUs share an expert across their boundary."""
+    from eplb.core.policy.rows import has_duplicates
+
+    p2l = np.array([[0, 1, 1, 2],  # GPUs [0, 1], [1, 2]: expert 1 on both, once each
+                    [0, 1, 2, 2],  # GPU [2, 2]: twice
+                    [3, 3, 0, 1]])  # GPU [3, 3]: twice, in the row's first GPU
+    assert has_duplicates(p2l, 2).tolist() == [False, True, True]
+    assert has_duplicates(p2l, 4).tolist() == [False, False, False]  # one slot per GPU
+    assert has_duplicates(np.array([[0, 1, 1, 0]]), 1).tolist() == [True]
+
+
 def test_align_refuses_a_gpu_holding_an_expert_twice(monkeypatch):
     """`moves.align` relies on every GPU of `new` holding an expert once: two replicas of
     one expert on one GPU would both claim the old slot, so it raises instead of writing

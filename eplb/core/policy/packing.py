@@ -256,12 +256,7 @@ def repair_duplicates(w: np.ndarray, p2l: np.ndarray, m: int, cap_iters: int = 1
     s = p // m
     if s < 2 or R == 0:
         return p2l
-    # rows with a duplicate (rows.has_duplicates, faster: int32 keys, one flat comparison)
-    g = np.sort(p2l.astype(np.int32).reshape(R * m, s), axis=1).ravel()  # [R * p] equal experts side by side
-    eq = np.zeros(R * p, dtype=bool)  # [R * p] item i equals item i - 1 of its GPU
-    np.equal(g[1:], g[:-1], out=eq[1:])
-    eq[::s] = False  # a GPU's first item vs the previous GPU's last
-    dup_rows = np.nonzero(eq.reshape(R, p).any(1))[0]
+    dup_rows = np.nonzero(has_duplicates(p2l, m))[0]
     if dup_rows.size == 0:
         return p2l
     p2l = p2l.copy()

@@ -2,7 +2,7 @@
 exchanges between GPUs, and moves aimed at the most loaded GPU (swaps, replica count
 changes). No two replicas of one expert ever end up on one GPU.
 
-About 460 lines: the two searches share the exchange tables, the swap scoring and the
+About 450 lines: the two searches share the exchange tables, the swap scoring and the
 duplicate checks, and the pair exchanges keep a second, slot-major layout for speed."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from eplb.core.policy.rows import REL_EPS, argsort_rows, counts_of, gpu_sums, lexmin, presence, slot_loads, take
+from eplb.core.policy.rows import REL_EPS, argsort_rows, counts_of, gpu_sums, has_duplicates, lexmin, presence, slot_loads, take
 
 
 _MAX_CANDIDATES = 5_000  # candidate moves per kind and max-GPU iteration, all rows together
@@ -88,7 +88,7 @@ def improve_pairs(w: np.ndarray, p2l: np.ndarray, m: int, iters: int) -> np.ndar
     # the same answer as long as no GPU holds two replicas of one expert (then swapping
     # one of them out clears the map's entry): always in the first iteration, which reads
     # the map before any update
-    use_map = scored and (s > _MAP_SLOTS or (iters > 1 and _any_duplicates(p2l, m)))
+    use_map = scored and (s > _MAP_SLOTS or (iters > 1 and has_duplicates(p2l, m).any()))
     row_m = (np.arange(R) * m)[:, None]
     if use_map:
         held = presence(p2l, m, n).ravel()  # [R * m * n]
@@ -177,19 +177,6 @@ def improve_pairs(w: np.ndarray, p2l: np.ndarray, m: int, iters: int) -> np.ndar
         if it + 1 < iters:  # the loads are read by the next iteration only
             load = gpu_sums(x, m)
     return p2l
-
-
-def _any_duplicates(p2l: np.ndarray, m: int) -> bool:
-    """Whether some GPU holds two replicas of one expert (rows.has_duplicates(p2l, m).any(),
-    with int32 keys and one flat comparison)."""
-    R, p = p2l.shape
-    s = p // m
-    if s < 2 or R == 0:
-        return False
-    g = np.sort(p2l.astype(np.int32).reshape(R * m, s), axis=1).ravel()  # [R * p] equal experts side by side
-    eq = g[1:] == g[:-1]  # [R * p - 1] item i + 1 vs item i
-    eq[s - 1::s] = False  # a GPU's last item vs the next GPU's first
-    return bool(eq.any())
 
 
 def _best_swaps(Vh, Vl, Gh, Gl, a_on_l, b_on_h):

@@ -77,13 +77,18 @@ def presence(p2l: np.ndarray, m: int, n: int) -> np.ndarray:
 
 
 def has_duplicates(p2l: np.ndarray, m: int) -> np.ndarray:
-    """[R] bool: some GPU of the row holds two replicas of one expert."""
+    """[R] bool: some GPU of the row holds two replicas of one expert. Expert ids fit in
+    int32 (n <= MAX_SLOTS): the sort runs on half the bytes, and one flat comparison
+    covers every GPU."""
     R, p = p2l.shape
     s = p // m
-    if s < 2:
+    if s < 2 or R == 0:
         return np.zeros(R, dtype=bool)
-    g = np.sort(p2l.reshape(R, m, s), axis=-1)  # [R, m, s] equal experts side by side
-    return (g[..., 1:] == g[..., :-1]).reshape(R, -1).any(1)
+    g = np.sort(p2l.astype(np.int32).reshape(R * m, s), axis=1).ravel()  # [R * p] equal experts side by side
+    eq = np.zeros(R * p, dtype=bool)  # [R * p] item i equals item i - 1 of its GPU
+    np.equal(g[1:], g[:-1], out=eq[1:])
+    eq[::s] = False  # a GPU's first item vs the previous GPU's last
+    return eq.reshape(R, p).any(1)
 
 
 def max_load(w: np.ndarray, p2l: np.ndarray, m: int) -> np.ndarray:
