@@ -384,7 +384,10 @@ def refill_hot(w: np.ndarray, p2l: np.ndarray, m: int, max_hot: int = 8, with_ma
     sel = np.arange(kmax)[None, :] < nfree[:, None]
     rsel = rr[:, None].repeat(kmax, 1)[sel]
     new[rsel, fo[:, :kmax][sel]] = old[rsel, do[:, :kmax][sel]]
-    better = ok_rows & (max_load(w[rows], new, m) < max_load(w[rows], old, m)) & ~has_duplicates(new, m)
+    top = load.max(1)  # [R] max GPU load of p2l; old = p2l[rows], so its max is top[rows]
+    new_top = max_load(w[rows], new, m)  # [Rr]
+    better = ok_rows & (new_top < top[rows]) & ~has_duplicates(new, m)
     out = p2l.copy()
     out[rows[better]] = new[better]
-    return (out, max_load(w, out, m)) if with_max else out
+    top[rows[better]] = new_top[better]
+    return (out, top) if with_max else out
