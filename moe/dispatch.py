@@ -92,6 +92,32 @@ def weighted_replica(
     return torch.where(is_even[topk_ids], (h * count) >> 32, weighted)
 
 
+_CONSTANTS: dict[tuple, torch.Tensor] = {}  # small per-shape tensors, made once per device
+
+
+def _constant(kind: str, n: int, device: torch.device) -> torch.Tensor:
+    """Tensors that depend only on a size: "hash" [n] the `_mul_low32` hash of 0..n-1,
+    "bounds" [n] 1..n int64, "one" [n] int64 ones (a stride-0 view). Cached per (kind,
+    n, device) in eager mode, so a decode step launches no kernel to rebuild them; made
+    inline under torch.compile (fused there, and no cached tensor becomes a graph
+    constant)."""
+    if not torch.compiler.is_compiling():
+        found = _CONSTANTS.get((kind, n, device))
+        if found is not None:
+            return found
+    if kind == "hash":
+        t = _mul_low32(torch.arange(n, device=device), KNUTH)
+    elif kind == "bounds":
+        t = torch.arange(1, n + 1, device=device)
+    else:
+        t = torch.ones(1, dtype=torch.int64, device=device).expand(n)
+    if not torch.compiler.is_compiling():
+        if len(_CONSTANTS) > 256:  # many distinct batch sizes: start over
+            _CONSTANTS.clear()
+        _CONSTANTS[(kind, n, device)] = t
+    return t
+
+
 def map_to_physical(
     topk_ids: torch.Tensor,  # [T, K] logical expert ids
     logical_to_physical_map: torch.Tensor,  # [N, R] slots of each expert, -1 padded
@@ -100,12 +126,15 @@ def map_to_physical(
 ) -> torch.Tensor:  # [T, K] physical slot ids
     """Pick a replica slot for every (token, k), spreading tokens over replicas: evenly
     without a cdf (`hash_replica`), by the replica shares with one (`weighted_replica`).
-    Fixed shapes, no host sync."""
+    Fixed shapes, no host sync. The even split is four kernels (the hash of the flat
+    positions is cached per T*K): count gather, multiply, shift, slot gather."""
     T, K = topk_ids.shape
-    index = torch.arange(T * K, device=topk_ids.device).view(T, K)  # [T, K] flat position
     if logical_replica_cdf is None:
-        replica = hash_replica(index, logical_replica_count[topk_ids].long())  # [T, K]
+        h = _constant("hash", T * K, topk_ids.device).view(T, K)  # [T, K] hash_replica's h
+        count = logical_replica_count[topk_ids]  # [T, K]
+        replica = (h * count) >> 32  # [T, K] = hash_replica(flat position, count)
     else:
+        index = torch.arange(T * K, device=topk_ids.device).view(T, K)  # [T, K] flat position
         replica = weighted_replica(index, topk_ids, logical_replica_count,
                                    logical_replica_cdf)  # [T, K]
     return logical_to_physical_map[topk_ids, replica]  # [T, K]
@@ -116,16 +145,40 @@ def count_slots(physical_ids: torch.Tensor, num_slots: int) -> torch.Tensor:  # 
     slots, one `scatter_add_` on the device (no host sync, unlike `torch.bincount`)."""
     flat = physical_ids.reshape(-1)  # [T*K]
     counts = torch.zeros(num_slots, dtype=torch.int64, device=flat.device)  # [P]
-    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return counts.scatter_add_(0, flat, _constant("one", flat.numel(), flat.device))
 
 
 def record_load(expert_load_view: torch.Tensor, physical_ids: torch.Tensor) -> None:
-    """Count each (token, k) choice into `expert_load_view [P]` in place; no host sync.
-    A separate pass over the slot ids; `MoELayer` instead adds the `count_slots`
-    histogram that dispatch computes anyway."""
+    """Count each (token, k) choice into `expert_load_view [P]` in place: one
+    `scatter_add_`, no host sync. For callers that need no histogram themselves (one
+    process: `sort_by_slot` gives the expert offsets); `MoELayer` instead adds the
+    `count_slots` histogram that dispatch computes anyway."""
     flat = physical_ids.reshape(-1)  # [T*K]
-    expert_load_view.scatter_add_(
-        0, flat, torch.ones(flat.shape, dtype=expert_load_view.dtype, device=flat.device))
+    one = _constant("one", flat.numel(), flat.device)  # [T*K] int64
+    expert_load_view.scatter_add_(0, flat, one if expert_load_view.dtype == torch.int64
+                                  else one.to(expert_load_view.dtype))
+
+
+def sort_by_slot(
+    x: torch.Tensor,  # [T, H]
+    physical_ids: torch.Tensor,  # [T, K] slots in [0, P)
+    num_slots: int,  # P
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, "DispatchState"]:
+    """One process's dispatch: the (token, k) copies of x sorted by slot, as `dispatch`
+    with no group, plus what a grouped GEMM needs, without a histogram pass.
+
+    Returns (x_sorted [T*K, H], offsets [P] int32 end row of each slot's rows (the
+    `offs` of `torch._grouped_mm`), slot_sorted [T*K] the slot of each row, state for
+    `combine`). One sort, one gather, one `searchsorted`; no host sync.
+    """
+    T, K = physical_ids.shape
+    # the same (unstable) sort as transformers' grouped_mm forward: at P = N the rows then
+    # reach the GEMM in its order, so even a CPU GEMM gives bitwise its result
+    slot_sorted, order = torch.sort(physical_ids.reshape(-1))  # [T*K] each
+    x_sorted = x[order // K]  # [T*K, H]
+    bounds = _constant("bounds", num_slots, x.device)  # [P] 1..P
+    offsets = torch.searchsorted(slot_sorted, bounds, out_int32=True)  # [P] rows < slot + 1
+    return x_sorted, offsets, slot_sorted, DispatchState(order, T, K)
 
 
 def weighted_sum(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -206,6 +259,20 @@ def dispatch(
     counts = recv_slot_counts.view(W, S).sum(0)  # [S]
     state.local_order, state.send_splits, state.recv_splits = local_order, send_splits, recv_splits
     return x_recv[local_order], counts, counts_host, state
+
+
+def check_same_tokens(num_tokens: int, device: torch.device,
+                      group: dist.ProcessGroup | None) -> None:
+    """"fixed" dispatch exchanges equal T*K-row blocks, so every rank must pass the same
+    T: one all-reduce (and host sync) of [T, -T]; every rank raises alike if not."""
+    T = num_tokens
+    both = torch.tensor([T, -T], dtype=torch.int64, device=device)  # [max T, -min T]
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    high, low = both.tolist()
+    if high != T or -low != T:
+        raise ValueError(f"dispatch_mode: 'fixed' needs the same number of tokens on every "
+                         f"EP rank (this rank {T}, min {-low}, max {high}); pad the batch "
+                         f"or use 'exact'")
 
 
 def _dispatch_fixed(

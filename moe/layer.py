@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .args import MoEArgs
-from .dispatch import combine, count_slots, dispatch, map_to_physical, weighted_sum
+from .dispatch import (check_same_tokens, combine, count_slots, dispatch, map_to_physical,
+                       weighted_sum)
 from .experts import GroupedExperts, SharedExperts
 from .router import Router
 from .state import check_replica_cdf, check_state_rows
@@ -137,18 +138,11 @@ class MoELayer(nn.Module):
         return out
 
     def _check_same_tokens(self, x: torch.Tensor) -> None:
-        """"fixed" dispatch exchanges equal T*K-row blocks, so every rank must pass the same
-        T. Checked with one all-reduce (and host sync) whenever T or the group changes, so
-        never inside a captured graph, whose T is the warm-up's; every rank raises alike."""
-        T = x.shape[0]
-        both = torch.tensor([T, -T], dtype=torch.int64, device=x.device)  # [max T, -min T]
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
-        high, low = both.tolist()
-        if high != T or -low != T:
-            raise ValueError(f"dispatch_mode: 'fixed' needs the same number of tokens on every "
-                             f"EP rank (this rank {T}, min {-low}, max {high}); pad the batch "
-                             f"or use 'exact'")
-        self._fixed_checked = (T, self.group)
+        """"fixed" dispatch needs the same T on every rank: checked (one all-reduce and
+        host sync) whenever T or the group changes, so never inside a captured graph,
+        whose T is the warm-up's; every rank raises alike."""
+        check_same_tokens(x.shape[0], x.device, self.group)
+        self._fixed_checked = (x.shape[0], self.group)
 
 
 class MoEBlock(nn.Module):

@@ -24,8 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dispatch import combine, count_slots, dispatch, map_to_physical
+from ..dispatch import (check_same_tokens, combine, count_slots, dispatch, map_to_physical,
+                        record_load, sort_by_slot)
 from ..state import check_replica_cdf, check_state_rows
+from .grouped import SortedExperts, _slot_of_rows, sorted_rows_apply
 
 LOCAL_EXPERTS_ATTR = "_eplb_local_experts"  # set on a module whose slots are already cut:
 NUM_LOGICAL_ATTR = "_eplb_num_logical_experts"  # its logical experts (slot order) and N
@@ -131,7 +133,12 @@ class ExpertParallelExperts:
         self.logical_to_physical_map: torch.Tensor | None = None  # [N, R]
         self.logical_replica_count: torch.Tensor | None = None  # [N]
         self.logical_replica_cdf: torch.Tensor | None = None  # [N, R] float32, None = even
+        self.dispatch_mode = "exact"  # W > 1: "exact" | "fixed" (moe.dispatch)
+        self._fixed_checked: tuple | None = None  # "fixed": (T, group) checked equal on all ranks
+        self._world_of: tuple | None = None  # (group, W) cached by _world()
         self._expert_forward = type(module).forward  # the model's own expert math
+        # transformers' grouped_mm experts: run on our sorted rows, no second sort
+        self._sorted = SortedExperts(module, name) if sorted_rows_apply(module) else None
         module.forward = self.forward  # the module now dispatches over expert parallelism
 
     # ---- MoELayerProtocol --------------------------------------------------------
@@ -171,35 +178,65 @@ class ExpertParallelExperts:
         self.logical_replica_cdf = logical_replica_cdf[moe_layer_idx]
 
     # ---- forward -----------------------------------------------------------------
+    def _world(self) -> int:
+        """W, the size of `group` (cached per group object: no call per forward)."""
+        if self._world_of is None or self._world_of[0] is not self.group:
+            W = dist.get_world_size(self.group) if self.group is not None else 1
+            self._world_of = (self.group, W)
+        return self._world_of[1]
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """hidden_states [T, H], top_k_index [T, K] logical ids, top_k_weights [T, K]
-        -> routed expert output [T, H]. Every rank of the group must call it."""
+        -> routed expert output [T, H]. Every rank of the group must call it.
+
+        One process (W = 1): one sort by slot, the experts on the sorted rows, one
+        unsort, as transformers' own grouped_mm forward does, plus the replica choice
+        and one load `scatter_add_`; no host sync. W > 1: `dispatch` ("exact": one host
+        sync for the split sizes; "fixed": none), the experts on the received rows
+        (sorted by local slot), `combine`.
+        """
         if self.logical_to_physical_map is None:
             raise RuntimeError(f"{self.name}: set_eplb_state was never called")
         S, P = self.num_local_physical_experts, self.num_physical_experts
-        world = dist.get_world_size(self.group) if self.group is not None else 1
-        if world * S != P:
-            raise RuntimeError(f"{self.name}: {world} ranks x {S} local slots != {P} slots")
-        physical = map_to_physical(top_k_index.long(), self.logical_to_physical_map,
+        W = self._world()
+        if W * S != P:
+            raise RuntimeError(f"{self.name}: {W} ranks x {S} local slots != {P} slots")
+        physical = map_to_physical(top_k_index, self.logical_to_physical_map,
                                    self.logical_replica_count, self.logical_replica_cdf)  # [T, K]
-        slot_counts = count_slots(physical, P)  # [P]
-        if self.record_load:
-            self.expert_load_view.add_(slot_counts.to(self.expert_load_view.dtype))
-        x_local, counts, _, state = dispatch(hidden_states, physical, S, self.group,
-                                             slot_counts, "exact")  # [T_r, H], [S]
-        local_slot = torch.repeat_interleave(
-            torch.arange(S, device=counts.device), counts.long(),
-            output_size=x_local.shape[0])  # [T_r] sorted by slot, no host sync
-        if x_local.shape[0] == 0:
-            y_local = x_local.new_zeros(x_local.shape)  # [0, H]
+        if W == 1:
+            if self.record_load:
+                record_load(self.expert_load_view, physical)
+            x_local, offsets, slot, state = sort_by_slot(hidden_states, physical, P)  # [T*K, H]
+            y_local = self._experts(x_local, offsets, slot)  # [T*K, H]
         else:
-            ones = torch.ones(x_local.shape[0], 1, dtype=top_k_weights.dtype,
-                              device=x_local.device)  # [T_r, 1]
-            y_local = self._expert_forward(self.module, x_local, local_slot.unsqueeze(1),
-                                           ones)  # [T_r, H] one row per (token, k) copy
+            if self.dispatch_mode == "fixed" and (hidden_states.shape[0], self.group) != self._fixed_checked:
+                check_same_tokens(hidden_states.shape[0], hidden_states.device, self.group)
+                self._fixed_checked = (hidden_states.shape[0], self.group)
+            slot_counts = count_slots(physical, P)  # [P]
+            if self.record_load:
+                self.expert_load_view.add_(slot_counts.to(self.expert_load_view.dtype))
+            x_local, counts, _, state = dispatch(hidden_states, physical, S, self.group,
+                                                 slot_counts, self.dispatch_mode)  # [T_r, H], [S]
+            offsets = counts.cumsum(0, dtype=torch.int32)  # [S] end row of each local slot
+            y_local = self._experts(x_local, offsets, None)  # [T_r, H]
         out = combine(y_local, state, self.group)  # [T, K, H]
-        # gate weights applied in the model's dtype, then summed over k, as transformers'
-        # own expert implementations do (no float32 copy of [T, K, H])
-        weighted = out * top_k_weights.to(out.dtype).unsqueeze(-1)  # [T, K, H]
-        return weighted.sum(1).to(hidden_states.dtype)  # [T, H]
+        # the gate weights as transformers' own experts forward applies them (same dtype
+        # promotion), then the sum over k
+        return (out * top_k_weights.unsqueeze(-1)).sum(1).to(hidden_states.dtype)  # [T, H]
+
+    def _experts(self, x_local: torch.Tensor, offsets: torch.Tensor,
+                 slot: torch.Tensor | None) -> torch.Tensor:
+        """The module's expert math on rows sorted by local slot: x_local [T', H],
+        offsets [S] int32 end rows -> [T', H] (rows past offsets[-1] are padding)."""
+        rows = x_local.shape[0]
+        if rows == 0:
+            return x_local.new_zeros(x_local.shape)  # [0, H]
+        if self._sorted is not None:
+            return self._sorted(x_local, offsets, slot)
+        # another experts implementation: the module's own forward, one (token, k) copy
+        # per row with weight 1 (its own sort then finds the rows already in order)
+        if slot is None:
+            slot = _slot_of_rows(offsets, rows)  # [T']
+        ones = torch.ones(rows, 1, dtype=x_local.dtype, device=x_local.device)  # [T', 1]
+        return self._expert_forward(self.module, x_local, slot.unsqueeze(1), ones)  # [T', H]
