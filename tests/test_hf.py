@@ -136,6 +136,7 @@ def _resize_round_trip(rank: int, world: int, arch: str) -> None:
     res = resize_expert_parallel(ep, everyone, half, runtime=runtime, load="window")
     if rank in half:
         assert ep.num_local_physical_experts == 6 and res.runtime.world_size == 2
+        assert ep.num_redundant_experts == 12 - SIZES["num_experts"]  # P unchanged: 12
         assert max_diff(ep, ref, skewed_ids(rank, 5, vocab)) <= ATOL
         runtime = res.runtime
     else:
@@ -145,8 +146,63 @@ def _resize_round_trip(rank: int, world: int, arch: str) -> None:
     res = resize_expert_parallel(ep, half, everyone, runtime=runtime,
                                  config=None if rank in half else cfg)
     assert ep.num_local_physical_experts == 3 and res.runtime.world_size == world
+    assert ep.num_redundant_experts == 12 - SIZES["num_experts"]
     assert max_diff(ep, ref, skewed_ids(rank, 6, vocab)) <= ATOL
     res.runtime.close()
+
+
+def test_update_physical_experts_metadata_sets_every_size():
+    """One process: the sizes an elastic resize sets, against the P and S asked for
+    (N = 8 experts): P, S and num_redundant_experts = P - N, on the model and its layers."""
+    N = SIZES["num_experts"]
+    ep = expert_parallel(tiny_model("qwen3_moe", seed=0, **SIZES), 2)  # P = 10, S = 10
+    assert (ep.num_physical_experts, ep.num_redundant_experts) == (10, 2)
+    for P, S, reallocate in ((16, 16, False), (16, 8, True), (8, 8, False), (12, 4, True)):
+        ep.update_physical_experts_metadata(P, S, reallocate=reallocate)
+        assert (ep.num_physical_experts, ep.num_local_physical_experts) == (P, S)
+        assert ep.num_redundant_experts == P - N, (P, S, ep.num_redundant_experts)
+        assert ep.num_logical_experts == N
+        for layer in ep.moe_layers:
+            assert (layer.num_physical_experts, layer.num_local_physical_experts) == (P, S)
+        assert all(w.shape[0] == S for ws in ep.expert_weights for w in ws)
+
+
+def _resize_changes_slots(rank: int, world: int) -> None:
+    """2 ranks, P = 10 -> rank 0 alone with P = 9 (planned on the window) -> both
+    ranks with P = 12: the sizes follow the P asked for (num_redundant_experts = P - N),
+    and the members' logits stay the original's."""
+    from eplb.runtime.resize import resize_expert_parallel
+
+    group = dist.group.WORLD
+    N = SIZES["num_experts"]
+    ref = tiny_model("qwen3_moe", seed=0, **SIZES)
+    vocab = ref.config.get_text_config().vocab_size
+    ep = expert_parallel(copy.deepcopy(ref), 2, group)  # P = 10, S = 5
+    cfg = EplbConfig(num_redundant_experts=2, min_gain=0.0)
+    runtime = EplbRuntime(ep, cfg, group)
+    with torch.no_grad():
+        ep(skewed_ids(rank, 0, vocab))
+    runtime.step()
+    res = resize_expert_parallel(ep, [0, 1], [0], runtime=runtime, num_physical_experts=9,
+                                 load="window")
+    if rank == 0:
+        assert (ep.num_physical_experts, ep.num_local_physical_experts) == (9, 9)
+        assert ep.num_redundant_experts == 9 - N
+        assert res.runtime.config.num_redundant_experts == 9 - N
+        assert max_diff(ep, ref, skewed_ids(rank, 1, vocab)) <= ATOL
+    else:
+        assert res.runtime is None and ep.num_local_physical_experts == 0
+    res = resize_expert_parallel(ep, [0], [0, 1], runtime=res.runtime, num_physical_experts=12,
+                                 config=None if rank == 0 else cfg)
+    assert (ep.num_physical_experts, ep.num_local_physical_experts) == (12, 6)
+    assert ep.num_redundant_experts == 12 - N
+    assert res.runtime.config.num_redundant_experts == 12 - N
+    assert max_diff(ep, ref, skewed_ids(rank, 2, vocab)) <= ATOL
+    res.runtime.close()
+
+
+def test_resize_changes_slots_and_redundant_count():
+    run_distributed(_resize_changes_slots, 2, timeout=240)
 
 
 @pytest.mark.slow
