@@ -20,12 +20,18 @@ timeout can see (every rank's exchange blocks on a local Event for 3 x transfer_
 before touching any group) is caught by the no-progress watchdog ("no layer switched for
 transfer_timeout"): RebalanceError on every rank, serving continues.
 
+`--verify` (the demo's check after each rebalance, and with --model at every step) must
+report an output fault just above its tolerance that no slot check can see: a forward
+hook on one rank's non-expert module (here the one place a module is patched: the job
+class the demo's run() builds, inside the rank process).
+
 Every rank runs in its own process; survivors write a JSON result and leave with
 `os._exit(0)` (tearing down a group with a dead peer could block); the parent kills what
 is left after a deadline.
 """
 import json
 import os
+import re
 import time
 from datetime import timedelta
 
@@ -35,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from _dist import free_port
+from _dist import free_port, run_distributed
 
 WORLD, VICTIM, TIMEOUT = 4, 3, 1.5
 # points: which call of which method of the injected transport the fault fires at (1-based)
@@ -288,3 +294,87 @@ def test_stall_no_group_timeout_sees_is_aborted_by_the_watchdog(tmp_path):
     assert all(res["p2l"] == results[0]["p2l"] for res in results.values())
     print(f"stall of {3 * TIMEOUT} s: every rank aborted after at most "
           f"{max(r['seconds'] for r in results.values()):.2f} s (transfer_timeout {TIMEOUT} s)")
+
+
+# ---- --verify: an output fault just above the tolerance -----------------------------------
+# A fault only the output comparison can see: a forward hook on one rank adds `offset` to
+# column 0 of a non-expert module's output (as a corrupted bias would), so every slot
+# still equals its expert bitwise (bad slots 0). The offset sits between the correct
+# tolerance and 1000x it (HF float32: 1e-5 < 1e-4 < 1e-2; reference model float32:
+# 1e-4 < 3e-4 < 1e-1), so a correct check reports it and a 1000x looser one does not.
+HF_OFFSET, REF_OFFSET = 1e-4, 3e-4
+
+
+def _add_to_column_0(offset: float, relative: bool):
+    """A forward hook: output[..., 0] += offset (x max(1, max |output|) when `relative`,
+    matching the reference verify's relative difference)."""
+    def hook(module, args, out):
+        bump = torch.zeros(out.shape[-1], dtype=out.dtype)
+        scale = max(1.0, out.abs().max().item()) if relative else 1.0
+        bump[0] = offset * scale
+        return out + bump
+    return hook
+
+
+def _demo_with_output_fault(rank: int, world: int, argv: list, hf: bool, offset: float) -> None:
+    """eplb.ops.demo's run() on this rank with the fault hooked into rank 1's job (the job
+    class run() builds is replaced by a subclass that adds the hook); asserts what --verify
+    reports."""
+    import contextlib
+    import io
+
+    import eplb.ops.demo as demo
+
+    if hf:
+        import eplb.ops.demo_hf as demo_hf
+
+        class Faulty(demo_hf.HFJob):  # the logits of the transformers model (lm_head)
+            def __init__(self, *a, **kw):
+                super().__init__(*a, **kw)
+                if self.runtime.rank == 1:
+                    self.model.model.lm_head.register_forward_hook(_add_to_column_0(offset, False))
+
+        demo_hf.HFJob = Faulty  # this rank process only
+    else:
+        class Faulty(demo.ReferenceJob):  # the output of the last MoE block
+            def __init__(self, *a, **kw):
+                super().__init__(*a, **kw)
+                if self.runtime.rank == 1:
+                    self.model.layers[-1].register_forward_hook(_add_to_column_0(offset, True))
+
+        demo.ReferenceJob = Faulty
+    a = demo.build_parser().parse_args(argv)
+    demo.check_demo_arguments(a)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = demo.run(a)
+    out, err = out.getvalue(), err.getvalue()
+    assert rc == 1, (rc, out, err)
+    if rank != 0:
+        return
+    if hf:  # the per-step logits check, at the first step
+        m = re.search(r"verification failed at step 1: max \|diff\| (\S+) > tolerance 1e-05", err)
+        assert m, err
+    else:  # the check after the first rebalance: outputs off, slots all bitwise equal
+        assert "verification failed after a rebalance" in err, err
+        m = re.search(r"verify: max \|diff\| (\S+), bad slots 0 FAILED", out)
+        assert m, out
+    # the difference it reports is the injected offset (the correct model differs by ~1e-7)
+    assert 0.9 * offset <= float(m.group(1)) <= 1.1 * offset, (m.group(1), offset)
+
+
+def test_verify_reports_an_output_fault_just_above_its_tolerance_reference_model():
+    argv = ["--verify", "--steps", "4", "--rebalance-interval", "2", "--min-gain", "0",
+            "--layers", "2", "--experts", "8", "--tokens", "32", "--hidden", "32",
+            "--intermediate", "32"]
+    run_distributed(_demo_with_output_fault, 2, argv, False, REF_OFFSET)
+
+
+def test_verify_reports_an_output_fault_just_above_its_tolerance_hf_model():
+    from _hf import require_transformers
+
+    require_transformers()
+    argv = ["--verify", "--model", "qwen3_moe", "--steps", "4", "--rebalance-interval", "2",
+            "--min-gain", "0", "--layers", "2", "--experts", "8", "--top-k", "2",
+            "--hidden", "32", "--intermediate", "32", "--tokens", "32", "--seq-len", "16"]
+    run_distributed(_demo_with_output_fault, 2, argv, True, HF_OFFSET)

@@ -419,3 +419,57 @@ def test_weighted_plan_with_one_expert_hotter_than_three_gpus_keeps_every_expert
             per_expert = np.zeros(16)
             np.add.at(per_expert, p.physical_to_logical[layer], p.slot_shares()[layer])
             assert np.allclose(per_expert, 1.0)
+
+
+# ---- property: weighted plans of random Zipf loads ---------------------------------------
+
+def _zipf_case(case: int) -> tuple[np.ndarray, int, int, int]:
+    """(load [5, N], GPUs M, slots P, nodes): 5 layers of token counts drawn from Zipf
+    popularity with a random exponent in [0, 3) and a random token count (0 to 1e5, so
+    some experts get no tokens), over random N, M, P = M x (ceil(N / M) + 0..3)."""
+    rng = np.random.default_rng([28, case])
+    N = int(rng.choice([4, 6, 8, 12, 16, 24, 32]))
+    M = int(rng.choice([1, 2, 3, 4, 6, 8]))
+    P = M * (-(-N // M) + int(rng.integers(0, 4)))
+    rows = []
+    for _ in range(5):
+        p = 1.0 / np.arange(1, N + 1) ** rng.uniform(0.0, 3.0)
+        tokens = int(rng.choice([0, 10, 100, 1000, 100_000]))
+        rows.append(rng.permutation(rng.multinomial(tokens, p / p.sum())))
+    nodes = int(rng.choice([n for n in (1, 2) if M % n == 0]))
+    return np.stack(rows).astype(np.float64), M, P, nodes
+
+
+@pytest.mark.parametrize("block", range(3))
+def test_weighted_plans_of_random_zipf_loads_have_normalised_shares(block):
+    """300 random Zipf loads (60 (N, M, P, nodes) draws x 5 layers, in 3 blocks) plan with
+    weighted=True, and every expert's shares are >= 0 and sum to 1, and its cdf row (what
+    the model routes by) rises to exactly 1.0 at its last replica; all checked here from
+    physical_to_logical and the shares, not by Placement's own validation. (Planted: the
+    wrap-around chain's shares divided by the expert's load instead of their own per-expert
+    sum made 7 of the 60 draws fail to plan.)"""
+    from eplb.core.planning import plan
+
+    for case in range(20 * block, 20 * (block + 1)):
+        load, M, P, nodes = _zipf_case(case)
+        L, N = load.shape
+        what = f"case {case}: N={N} M={M} P={P} nodes={nodes} load={load.tolist()}"
+        placement = plan(load, M, P, num_nodes=nodes, weighted=True)  # raises if invalid
+        p2l = np.asarray(placement.physical_to_logical)
+        assert p2l.shape == (L, P), what
+        assert placement.shares is not None, what
+        shares = np.asarray(placement.shares, dtype=np.float64)
+        assert shares.shape == (L, P) and np.isfinite(shares).all() and (shares >= 0).all(), what
+        _, _, count, cdf = placement.maps()  # [L, N], [L, N, R]
+        for layer in range(L):
+            for e in range(N):
+                slots = [p for p in range(P) if p2l[layer, p] == e]  # ascending slot order
+                assert slots, f"{what}: layer {layer} expert {e} has no slot"
+                assert count[layer, e] == len(slots), what
+                mine = shares[layer, slots]
+                assert abs(sum(mine.tolist()) - 1.0) <= 1e-9, (what, layer, e, mine)
+                row = cdf[layer, e]
+                assert (row[len(slots) - 1:] == 1.0).all(), (what, layer, e, row)
+                assert (np.diff(row) >= 0).all(), (what, layer, e, row)
+                np.testing.assert_allclose(row[:len(slots)], np.cumsum(mine), rtol=0, atol=1e-6,
+                                           err_msg=f"{what} layer {layer} expert {e}")
