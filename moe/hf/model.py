@@ -9,7 +9,7 @@ from torch import nn
 from eplb.core.placement import Placement
 
 from ..model import eplb_state_for
-from ..state import check_num_layers
+from ..state import check_num_layers, default_group
 from .experts import (LOCAL_EXPERTS_ATTR, NUM_LOGICAL_ATTR, ExpertParallelExperts, find_experts_modules,
                       keep_local_slots, slot_experts, stacked_names)
 
@@ -40,6 +40,8 @@ class ExpertParallelModel(nn.Module):
     At construction it registers maps of the start-up placement that it owns, so it runs
     on its own; a runtime replaces them through `set_eplb_state`.
     Every rank of `group` must make the same calls (forwards exchange tokens).
+    `group` None means torch's default group (`dist.group.WORLD`) when torch.distributed
+    is initialised, else one process (`moe.state.default_group`).
     """
 
     def __init__(self, model: nn.Module, num_redundant_experts: int,
@@ -50,7 +52,7 @@ class ExpertParallelModel(nn.Module):
             raise ValueError(f"num_redundant_experts: must be an int >= 0, got "
                              f"{num_redundant_experts!r}")
         self.model = model
-        self.group = group
+        self.group = group = default_group(group)
         W = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         found = find_experts_modules(model)
@@ -217,7 +219,8 @@ def expert_parallel(model: nn.Module, num_redundant_experts: int,
                     group: dist.ProcessGroup | None = None) -> ExpertParallelModel:
     """Make a loaded transformers MoE model expert-parallel over `group` in place.
 
-    Every rank calls it on the same model. Each `*Experts` module keeps only this rank's
+    Every rank calls it on the same model. `group` None: torch's default group when
+    torch.distributed is initialised, else one process (no communication). Each `*Experts` module keeps only this rank's
     S = (N + num_redundant_experts) / W slots of every stacked tensor (the full tensors
     are freed); slot p holds expert p mod N at start-up. Returns the
     `ExpertParallelModel` to call instead of `model` and to hand to `eplb.EplbRuntime`.

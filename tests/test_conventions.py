@@ -1,0 +1,68 @@
+"""The calling conventions of issue 28 ("Conventions"), for the HF wrapper (`moe.hf`) and
+the reference model (`moe.MoEModel`):
+
+* `group=None` is torch's default group when torch.distributed is initialised;
+* R is given once: the runtime takes `num_redundant_experts` from the model;
+* a job that never calls `runtime.step()` is warned once;
+* ranks that run different numbers of forwards get one clear error;
+* the unwrapped transformers model handed to the runtime is refused with the fix.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_distributed
+from _hf import require_transformers
+from eplb import EplbConfig, EplbRuntime
+
+SIZES = dict(num_experts=8, top_k=2, hidden_size=64, intermediate_size=32, num_layers=2)
+
+
+def _moe_args(**kw):
+    from moe import MoEArgs
+
+    base = dict(hidden_size=16, intermediate_size=16, num_layers=2, num_experts=8, top_k=2,
+                num_redundant_experts=2, seed=0)
+    base.update(kw)
+    return MoEArgs(**base)
+
+
+# ---- 1. group=None is the default group when dist is initialised ----------------------
+
+def _none_is_world(rank: int, world: int) -> None:
+    from moe import MoEModel
+    from moe.hf import expert_parallel
+    from moe.hf.configs import tiny_model
+
+    ep = expert_parallel(tiny_model("qwen3_moe", seed=0, **SIZES), 2)  # no group
+    assert (ep.ep_size, ep.ep_rank, ep.num_local_physical_experts) == (world, rank, 10 // world)
+    ref = MoEModel(_moe_args())  # no group
+    assert (ref.ep_size, ref.ep_rank, ref.num_local_physical_experts) == (world, rank, 10 // world)
+    for model in (ep, ref):
+        runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=2, rebalance_interval=0))
+        try:
+            x = (torch.randint(3, 200, (1, 6)) if model is ep
+                 else torch.randn(4, 16, generator=torch.Generator().manual_seed(rank)))
+            with torch.no_grad():
+                model(x)
+            runtime.step()
+            assert runtime.rebalance() is not None
+        finally:
+            runtime.close()
+
+
+def test_group_none_is_the_default_group():
+    require_transformers()
+    run_distributed(_none_is_world, 2, timeout=120)
+
+
+def test_group_none_without_dist_is_one_process():
+    from moe import MoEModel
+
+    assert not dist.is_initialized()
+    model = MoEModel(_moe_args())
+    assert (model.group, model.ep_size, model.num_local_physical_experts) == (None, 1, 10)
