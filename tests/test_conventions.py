@@ -66,3 +66,44 @@ def test_group_none_without_dist_is_one_process():
     assert not dist.is_initialized()
     model = MoEModel(_moe_args())
     assert (model.group, model.ep_size, model.num_local_physical_experts) == (None, 1, 10)
+
+
+# ---- 2. R is given once: the runtime takes it from the model ---------------------------
+
+def _models_with_two_redundant():
+    """(name, model) with N = 8, P = 10, one process: the reference model and, where
+    transformers is installed, the HF wrapper."""
+    from moe import MoEModel
+
+    models = [("MoEModel", MoEModel(_moe_args()))]
+    try:
+        from moe.hf import expert_parallel
+        from moe.hf.configs import tiny_model
+    except ImportError:  # pragma: no cover - transformers missing
+        return models
+    models.append(("ExpertParallelModel", expert_parallel(tiny_model("qwen3_moe", **SIZES), 2)))
+    return models
+
+
+def test_runtime_takes_redundant_experts_from_the_model(caplog):
+    import logging
+
+    for name, model in _models_with_two_redundant():
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="eplb.core.config"):
+            runtime = EplbRuntime(model, EplbConfig(rebalance_interval=10))
+        try:
+            assert runtime.config.num_redundant_experts == 2, name
+            assert "num_redundant_experts not set: using 2" in caplog.text, name
+        finally:
+            runtime.close()
+        # a value set is still checked against the model, with the fix in the message
+        with pytest.raises(ValueError, match="num_physical_experts=10; set num_redundant_experts=2"):
+            EplbRuntime(model, EplbConfig(num_redundant_experts=4))
+        EplbRuntime(model, EplbConfig(num_redundant_experts=2)).close()
+
+
+def test_config_without_model_defaults_to_no_redundant_experts():
+    assert EplbConfig().num_redundant_experts is None
+    assert EplbConfig().verify(8, 2).num_redundant_experts == 0
+    assert EplbConfig().verify(8, 2, num_physical_experts=12).num_redundant_experts == 4

@@ -100,7 +100,7 @@ class EplbRuntime:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         L, N = model.num_moe_layers, model.num_logical_experts
         P, S = model.num_physical_experts, model.num_local_physical_experts
-        config = config or EplbConfig(num_redundant_experts=P - N)
+        config = config or EplbConfig()  # num_redundant_experts unset: the model's P - N
         self.config = config.verify(N, self.world_size, num_physical_experts=P)
         if S * self.world_size != P:
             raise ValueError(f"model has num_local_physical_experts={S} on each of {self.world_size} "
