@@ -122,3 +122,13 @@ MOE_MEMBERS = (
 def missing_members(model: object) -> list[str]:
     """Names of protocol members `model` lacks (for a clear error message)."""
     return [m for m in MOE_MEMBERS if not hasattr(model, m)]
+
+
+def is_unwrapped_hf_model(model: object) -> bool:
+    """True when `model` looks like a transformers MoE model itself rather than what
+    `moe.hf.expert_parallel` returns: its class, or the class of one of its `*Experts`
+    modules, comes from transformers. Imports nothing."""
+    modules = getattr(model, "modules", None)
+    found = [model, *(m for m in modules() if type(m).__name__.endswith("Experts"))] \
+        if callable(modules) else [model]
+    return any(type(m).__module__.startswith("transformers.") for m in found)

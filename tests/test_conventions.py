@@ -107,3 +107,17 @@ def test_config_without_model_defaults_to_no_redundant_experts():
     assert EplbConfig().num_redundant_experts is None
     assert EplbConfig().verify(8, 2).num_redundant_experts == 0
     assert EplbConfig().verify(8, 2, num_physical_experts=12).num_redundant_experts == 4
+
+
+# ---- 5. the unwrapped transformers model is refused with the fix -----------------------
+
+def test_unwrapped_hf_model_is_refused_with_the_fix():
+    require_transformers()
+    from moe.hf.configs import tiny_model
+
+    with pytest.raises(TypeError, match=r"Qwen3MoeForCausalLM is a transformers model: pass what "
+                                        r"`moe\.hf\.expert_parallel\(model, R\)` returns"):
+        EplbRuntime(tiny_model("qwen3_moe", **SIZES), EplbConfig())
+    # anything else keeps the generic message
+    with pytest.raises(TypeError, match="does not implement MixtureOfExperts"):
+        EplbRuntime(torch.nn.Linear(2, 2), EplbConfig())

@@ -29,7 +29,8 @@ from eplb.core.config import EplbConfig
 from eplb.core.placement import Placement, balancedness_of_gpu_loads
 from eplb.core.planning import predicted_gain, worth_moving
 from eplb.core.transfer_plan import transfer_stats
-from eplb.protocol import MixtureOfExperts, missing_members, supports_replica_weights
+from eplb.protocol import (MixtureOfExperts, is_unwrapped_hf_model, missing_members,
+                           supports_replica_weights)
 from eplb.runtime.control import RebalanceRequests, agree
 from eplb.runtime.events import NO_LOAD, RebalanceEvent
 from eplb.runtime.groups import EplbGroups, NoSpareGroups
@@ -85,6 +86,10 @@ class EplbRuntime:
         or one wrapping it, e.g. to inject faults in tests); default: made from
         `config.transport` (collective)."""
         missing = missing_members(model)
+        if missing and is_unwrapped_hf_model(model):
+            raise TypeError(f"{type(model).__name__} is a transformers model: pass what "
+                            "`moe.hf.expert_parallel(model, R)` returns (the expert-parallel "
+                            "wrapper, which implements MixtureOfExperts), not the model itself")
         if missing:
             raise TypeError(f"{type(model).__name__} does not implement MixtureOfExperts: "
                             f"missing {', '.join(missing)}")
