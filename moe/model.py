@@ -9,6 +9,7 @@ from eplb.core.placement import Placement
 from eplb.protocol import replica_cdf
 
 from .args import MoEArgs
+from .ep_guard import set_forward_counter
 from .layer import MoEBlock, MoELayer, RMSNorm
 from .state import check_num_layers, default_group
 from .weights import write_expert_slots
@@ -215,6 +216,11 @@ class MoEModel(nn.Module):
         self.expert_weights[:] = [list(layer.get_expert_weights()) for layer in self.moe_layers]
         self.group, self.ep_size, self.ep_rank = None, 1, 0
         self.num_local_physical_experts = 0
+
+    def set_eplb_forward_counter(self, counter) -> None:
+        """Optional extension: count forwards into the runtime's
+        `eplb.protocol.ForwardCounter` (the first MoE layer calls `counter.forward`)."""
+        set_forward_counter(self.moe_layers, counter)
 
     # ---- workload knobs ----------------------------------------------------------
     @torch.no_grad()

@@ -121,3 +121,50 @@ def test_unwrapped_hf_model_is_refused_with_the_fix():
     # anything else keeps the generic message
     with pytest.raises(TypeError, match="does not implement MixtureOfExperts"):
         EplbRuntime(torch.nn.Linear(2, 2), EplbConfig())
+
+
+# ---- 3. a job that never calls runtime.step() is warned once ---------------------------
+
+def _forward(model, x, n: int, runtime=None) -> None:
+    with torch.no_grad():
+        for _ in range(n):
+            model(x)
+            if runtime is not None:
+                runtime.step()
+
+
+def _inputs(name: str, rank: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(rank)
+    if name == "MoEModel":
+        return torch.randn(4, 16, generator=gen)
+    return torch.randint(3, 200, (1, 4), generator=gen)
+
+
+def test_forwards_without_step_warn_once(caplog):
+    import logging
+
+    from eplb.protocol import ForwardCounter
+
+    N = ForwardCounter.WARN_AFTER
+    for name, model in _models_with_two_redundant():
+        runtime = EplbRuntime(model, EplbConfig(rebalance_interval=0))
+        x = _inputs(name)
+        try:
+            with caplog.at_level(logging.WARNING, logger="eplb.runtime"):
+                caplog.clear()
+                _forward(model, x, N + 5, runtime)  # stepped after each forward: no warning
+                model.set_record_load(False)
+                _forward(model, x, N + 5)  # not recording load (warm-up): no warning
+                model.set_record_load(True)
+                _forward(model, x, N - 1)
+                assert "runtime.step()" not in caplog.text, name
+                _forward(model, x, 1)
+                warned = [r for r in caplog.records if "runtime.step()" in r.getMessage()]
+                assert len(warned) == 1, (name, caplog.text)
+                assert "call runtime.step() after each forward" in warned[0].getMessage()
+                _forward(model, x, N + 5)  # only once
+                runtime.step()
+                _forward(model, x, N + 5)
+                assert len([r for r in caplog.records if "runtime.step()" in r.getMessage()]) == 1
+        finally:
+            runtime.close()

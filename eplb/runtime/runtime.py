@@ -29,8 +29,8 @@ from eplb.core.config import EplbConfig
 from eplb.core.placement import Placement, balancedness_of_gpu_loads
 from eplb.core.planning import predicted_gain, worth_moving
 from eplb.core.transfer_plan import transfer_stats
-from eplb.protocol import (MixtureOfExperts, is_unwrapped_hf_model, missing_members,
-                           supports_replica_weights)
+from eplb.protocol import (ForwardCounter, MixtureOfExperts, is_unwrapped_hf_model,
+                           missing_members, supports_replica_weights)
 from eplb.runtime.control import RebalanceRequests, agree
 from eplb.runtime.events import NO_LOAD, RebalanceEvent
 from eplb.runtime.groups import EplbGroups, NoSpareGroups
@@ -132,6 +132,11 @@ class EplbRuntime:
         self._warned_even_split = False
         if self.replica_weights_supported:
             model.set_eplb_replica_weights(self.logical_replica_cdf)
+        # optional extension (eplb.protocol.ForwardCounter): the model counts its forwards,
+        # so a job that never steps is warned and ranks' forward counts can be compared
+        self.forward_counter = ForwardCounter()
+        if callable(getattr(model, "set_eplb_forward_counter", None)):
+            model.set_eplb_forward_counter(self.forward_counter)
         self.expert_weights = [list(w) for w in model.expert_weights]  # L lists of [S, ...] tensors
         problem = expert_weights_problem(model, self.expert_weights, S)  # this rank's; all ranks agree below
 
@@ -238,6 +243,7 @@ class EplbRuntime:
         if self.closed:
             raise RuntimeError("this EplbRuntime was closed (close())")
         self.recorder.record(self.expert_load_pass, self.physical_to_logical)
+        self.forward_counter.step()
         self.steps += 1
         if self.steps == self.config.zero_load_warn_steps:  # once (0 = never)
             self._warn_if_no_load()

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dispatch import combine, count_slots, dispatch, map_to_physical
+from ..ep_guard import enter_forward
 from ..state import check_replica_cdf, check_state_rows
 
 LOCAL_EXPERTS_ATTR = "_eplb_local_experts"  # set on a module whose slots are already cut:
@@ -181,6 +182,7 @@ class ExpertParallelExperts:
         world = dist.get_world_size(self.group) if self.group is not None else 1
         if world * S != P:
             raise RuntimeError(f"{self.name}: {world} ranks x {S} local slots != {P} slots")
+        enter_forward(self)  # counts forwards, names this layer in a collective's error
         physical = map_to_physical(top_k_index.long(), self.logical_to_physical_map,
                                    self.logical_replica_count, self.logical_replica_cdf)  # [T, K]
         slot_counts = count_slots(physical, P)  # [P]

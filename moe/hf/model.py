@@ -8,6 +8,7 @@ from torch import nn
 
 from eplb.core.placement import Placement
 
+from ..ep_guard import set_forward_counter
 from ..model import eplb_state_for
 from ..state import check_num_layers, default_group
 from .experts import (LOCAL_EXPERTS_ATTR, NUM_LOGICAL_ATTR, ExpertParallelExperts, find_experts_modules,
@@ -207,6 +208,11 @@ class ExpertParallelModel(nn.Module):
         self.expert_weights[:] = [layer.get_expert_weights() for layer in self.moe_layers]
         self.group, self.ep_size, self.ep_rank = None, 1, 0
         self.num_local_physical_experts = 0
+
+    def set_eplb_forward_counter(self, counter) -> None:
+        """Optional extension: count forwards into the runtime's
+        `eplb.protocol.ForwardCounter` (the first MoE layer calls `counter.forward`)."""
+        set_forward_counter(self.moe_layers, counter)
 
     # ---- knobs -------------------------------------------------------------------
     def set_record_load(self, enabled: bool) -> None:
