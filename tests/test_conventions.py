@@ -168,3 +168,61 @@ def test_forwards_without_step_warn_once(caplog):
                 assert len([r for r in caplog.records if "runtime.step()" in r.getMessage()]) == 1
         finally:
             runtime.close()
+
+
+# ---- 4. ranks that run different numbers of forwards get one clear error ---------------
+
+def _extra_forward(rank: int, world: int) -> None:
+    from datetime import timedelta
+
+    from moe import MoEModel
+    from moe.hf import expert_parallel
+    from moe.hf.configs import tiny_model
+
+    builders = [("MoE layer 0", lambda g: MoEModel(_moe_args(), group=g)),
+                ("model.layers.0.mlp.experts",
+                 lambda g: expert_parallel(tiny_model("qwen3_moe", **SIZES), 2, g))]
+    for layer_name, build in builders:
+        # a group with a short timeout: the extra forward's all-to-all fails within seconds
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=4))
+        model = build(group)
+        x = _inputs("MoEModel" if layer_name == "MoE layer 0" else "hf", rank)
+        _forward(model, x, 2)
+        if rank == 0:  # one forward more than rank 1
+            with pytest.raises(RuntimeError) as info:
+                _forward(model, x, 1)
+            msg = str(info.value)
+            assert msg.startswith(f"{layer_name}: the expert all-to-all failed in forward 3 "
+                                  "of this layer on rank 0"), msg
+            assert "every rank of the EP group must run the same number of forwards" in msg, msg
+            assert info.value.__cause__ is not None
+        dist.barrier()  # the world group: rank 1 waits here for rank 0's error
+
+
+def test_extra_forward_on_one_rank_is_one_clear_error():
+    require_transformers()
+    run_distributed(_extra_forward, 2, timeout=90)
+
+
+def _forward_counts_differ(rank: int, world: int) -> None:
+    """Rank 1 runs its second forward through another model on the same group: the
+    collectives pair up, but the runtime's model ran one forward fewer on rank 1."""
+    from moe import MoEModel
+
+    model, other = MoEModel(_moe_args()), MoEModel(_moe_args())
+    runtime = EplbRuntime(model, EplbConfig(rebalance_interval=0, control_interval=2))
+    x = _inputs("MoEModel", rank)
+    try:
+        _forward(model, x, 1, runtime)
+        _forward(model if rank == 0 else other, x, 1)
+        with pytest.raises(RuntimeError, match=(
+                "EP ranks ran different numbers of forwards by step 2: this rank "
+                f"{2 - rank}, the ranks between 1 and 2; every rank of the EP group must run "
+                "the same number of forwards")):
+            runtime.step()
+    finally:
+        runtime.close()
+
+
+def test_runtime_compares_forward_counts_at_the_control_check():
+    run_distributed(_forward_counts_differ, 2, timeout=90)

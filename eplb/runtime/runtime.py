@@ -31,7 +31,7 @@ from eplb.core.planning import predicted_gain, worth_moving
 from eplb.core.transfer_plan import transfer_stats
 from eplb.protocol import (ForwardCounter, MixtureOfExperts, is_unwrapped_hf_model,
                            missing_members, supports_replica_weights)
-from eplb.runtime.control import RebalanceRequests, agree
+from eplb.runtime.control import RebalanceRequests, agree, agree_max
 from eplb.runtime.events import NO_LOAD, RebalanceEvent
 from eplb.runtime.groups import EplbGroups, NoSpareGroups
 from eplb.runtime.placement_change import EplbFatalError, MoveOptions, PlacementChange, RebalanceError
@@ -272,9 +272,21 @@ class EplbRuntime:
                         "rebalancing is held off until it does", self.steps)
 
     def _agree_requested(self) -> bool:
-        """Whether any rank of the group holds a request (a one-rank group asks no one)."""
+        """Whether any rank of the group holds a request (a one-rank group asks no one).
+        The same all-reduce compares the ranks' forward counts (`ForwardCounter`): raises
+        RuntimeError on every rank when they differ."""
         pending = self.requests.has_pending()
-        return pending if self.world_size == 1 else agree(pending, self.groups.control)
+        if self.world_size == 1:
+            return pending
+        forwards = self.forward_counter.forwards
+        pending, high, low = agree_max([int(pending), forwards, -forwards], self.groups.control)
+        if high != -low:
+            raise RuntimeError(
+                f"EP ranks ran different numbers of forwards by step {self.steps}: this rank "
+                f"{forwards}, the ranks between {-low} and {high}; every rank of the EP group "
+                "must run the same number of forwards (the same number of generate() steps, "
+                "the same batches) and call runtime.step() after each")
+        return bool(pending)
 
     def rebalance(self, trigger: str = "api") -> RebalanceEvent | None:
         """Plan on the recorded window and move weights (collective over the group).
