@@ -14,6 +14,7 @@ a vLLM-style model without it plugs in unchanged and keeps splitting evenly.
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterable, MutableSequence, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -122,3 +123,47 @@ MOE_MEMBERS = (
 def missing_members(model: object) -> list[str]:
     """Names of protocol members `model` lacks (for a clear error message)."""
     return [m for m in MOE_MEMBERS if not hasattr(model, m)]
+
+
+def is_unwrapped_hf_model(model: object) -> bool:
+    """True when `model` looks like a transformers MoE model itself rather than what
+    `moe.hf.expert_parallel` returns: its class, or the class of one of its `*Experts`
+    modules, comes from transformers. Imports nothing."""
+    modules = getattr(model, "modules", None)
+    found = [model, *(m for m in modules() if type(m).__name__.endswith("Experts"))] \
+        if callable(modules) else [model]
+    return any(type(m).__module__.startswith("transformers.") for m in found)
+
+
+class ForwardCounter:
+    """The model's forwards and the runtime's steps, as plain Python ints (no host sync).
+
+    Optional extension of `MixtureOfExperts`: a model with
+    `set_eplb_forward_counter(counter)` gets the runtime's counter at start-up and calls
+    `counter.forward(record_load)` once per forward (e.g. from its first MoE layer); the
+    runtime calls `step()` in every `EplbRuntime.step()`. When WARN_AFTER forwards record
+    load with no step between them, it warns once: the runtime is not being stepped, so
+    nothing is ever rebalanced. `forwards` lets the runtime check that every EP rank ran
+    the same number of forwards.
+    """
+
+    WARN_AFTER = 100  # forwards recording load without a runtime.step() before the warning
+
+    def __init__(self) -> None:
+        self.forwards = 0  # forwards since the runtime registered the counter
+        self.since_step = 0  # of them, forwards that recorded load since the last step()
+        self.warned = False
+
+    def forward(self, record_load: bool) -> None:
+        self.forwards += 1
+        if record_load:
+            self.since_step += 1
+            if self.since_step == self.WARN_AFTER and not self.warned:
+                self.warned = True
+                logging.getLogger("eplb.runtime").warning(
+                    "eplb: %d forwards recorded load but runtime.step() was never called "
+                    "since: call runtime.step() after each forward (it records the load and "
+                    "rebalances on schedule); nothing is rebalanced until then", self.since_step)
+
+    def step(self) -> None:
+        self.since_step = 0

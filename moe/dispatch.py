@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .ep_guard import collective_error
+
 KNUTH = 2654435769  # 2^32 / golden ratio, the multiplier vLLM's replica hash uses
 
 
@@ -186,6 +188,16 @@ def weighted_sum(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
     return (expert_out.float() * weights.float().unsqueeze(-1)).sum(1).to(expert_out.dtype)
 
 
+def _all_to_all(*args, **kwargs) -> None:
+    """`dist.all_to_all_single`; a failure (a peer that ran fewer forwards closed its
+    connection or timed out) re-raises as one RuntimeError naming the layer, the forward
+    and the rule (`moe.ep_guard.collective_error`), the original error chained."""
+    try:
+        dist.all_to_all_single(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - gloo/NCCL raise several kinds
+        raise collective_error(e) from e
+
+
 def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if group is None:
         return 1, 0
@@ -244,7 +256,7 @@ def dispatch(
 
     # rows per (source rank, my local slot): [W*S], equal splits of S per rank
     recv_slot_counts = torch.empty_like(slot_counts)
-    dist.all_to_all_single(recv_slot_counts, slot_counts, group=group)
+    _all_to_all(recv_slot_counts, slot_counts, group=group)
     host = torch.cat([slot_counts.view(W, S).sum(1), recv_slot_counts]).tolist()  # one sync
     send_splits, recv_grid = host[:W], host[W:]
     recv_splits = [sum(recv_grid[r * S:(r + 1) * S]) for r in range(W)]
@@ -252,7 +264,7 @@ def dispatch(
     total = sum(recv_splits)
 
     x_recv = x.new_empty(total, x.shape[1])  # [T_r, H] ordered by (source rank, slot)
-    dist.all_to_all_single(x_recv, x_sorted.contiguous(), recv_splits, send_splits, group=group)
+    _all_to_all(x_recv, x_sorted.contiguous(), recv_splits, send_splits, group=group)
     local_slot = torch.arange(S, device=flat.device).repeat(W).repeat_interleave(
         recv_slot_counts, output_size=total)  # [T_r]
     local_order = torch.argsort(local_slot, stable=True)  # [T_r]
@@ -295,8 +307,8 @@ def _dispatch_fixed(
     send_slot[send_index] = slot_sorted % S
     recv_x = torch.empty_like(send_x)  # [W*C, H] block r came from rank r
     recv_slot = torch.empty_like(send_slot)  # [W*C] local slot, S on padding rows
-    dist.all_to_all_single(recv_x, send_x, group=group)
-    dist.all_to_all_single(recv_slot, send_slot, group=group)
+    _all_to_all(recv_x, send_x, group=group)
+    _all_to_all(recv_slot, send_slot, group=group)
     local_order = torch.argsort(recv_slot, stable=True)  # [W*C] by local slot, padding last
     counts = torch.zeros(S + 1, dtype=torch.int64, device=x_sorted.device)  # [S + 1]
     counts = counts.scatter_add_(0, recv_slot, torch.ones_like(recv_slot))[:S]  # [S]
@@ -319,13 +331,13 @@ def combine(
         y_recv = torch.empty_like(y_local)  # [W*C, H] back in (source rank, block row) order
         y_recv[state.local_order] = y_local
         y_back = torch.empty_like(y_recv)  # [W*C, H] my copies, where I put them in send_x
-        dist.all_to_all_single(y_back, y_recv, group=group)
+        _all_to_all(y_back, y_recv, group=group)
         y_sorted = y_back[state.send_index]  # [T*K, H]
     else:
         y_recv = torch.empty_like(y_local)  # [T_r, H] back in (source rank, slot) order
         y_recv[state.local_order] = y_local
         y_sorted = y_local.new_empty(state.num_tokens * state.top_k, y_local.shape[1])
-        dist.all_to_all_single(y_sorted, y_recv, state.send_splits, state.recv_splits,
+        _all_to_all(y_sorted, y_recv, state.send_splits, state.recv_splits,
                                group=group)
     inverse = torch.empty_like(state.order)  # [T*K] position of each copy in sorted order
     inverse[state.order] = torch.arange(state.order.numel(), device=state.order.device)

@@ -11,6 +11,7 @@ from torch import nn
 from .args import MoEArgs
 from .dispatch import (check_same_tokens, combine, count_slots, dispatch, map_to_physical,
                        weighted_sum)
+from .ep_guard import enter_forward
 from .experts import GroupedExperts, SharedExperts
 from .router import Router
 from .state import check_replica_cdf, check_state_rows
@@ -119,6 +120,7 @@ class MoELayer(nn.Module):
         if world * S != self.num_physical_experts:
             raise RuntimeError(f"{world} ranks x {S} local slots != {self.num_physical_experts} "
                                "physical experts; the runtime must resize the layer first")
+        enter_forward(self)  # counts forwards, names this layer in a collective's error
         fixed = self.dispatch_mode == "fixed" and world > 1
         if fixed and (x.shape[0], self.group) != self._fixed_checked:
             self._check_same_tokens(x)

@@ -9,8 +9,9 @@ from eplb.core.placement import Placement
 from eplb.protocol import replica_cdf
 
 from .args import MoEArgs
+from .ep_guard import set_forward_counter
 from .layer import MoEBlock, MoELayer, RMSNorm
-from .state import check_num_layers
+from .state import check_num_layers, default_group
 from .weights import write_expert_slots
 
 
@@ -38,12 +39,14 @@ def replica_cdf_for(
 class MoEModel(nn.Module):
     """L pre-norm residual MoE blocks, h = h + moe(rmsnorm(h)), over expert parallelism.
 
-    `group` is the EP process group; None means a single process holding all P slots
-    (no communication). Rank r of the group holds slots [r*S, (r+1)*S) of every layer,
-    S = P / group size. At construction each rank fills its slots according to
-    `Placement.initial` (slot p holds expert p % N) and registers maps of that placement
-    that the model owns, so it runs on its own; a runtime replaces them through
-    `set_eplb_state`. Everything runs without autograd (the parameters need no grad).
+    `group` is the EP process group; None means torch's default group
+    (`dist.group.WORLD`) when torch.distributed is initialised, else a single process
+    holding all P slots (no communication; `moe.state.default_group`). Rank r of the
+    group holds slots [r*S, (r+1)*S) of every layer, S = P / group size. At construction
+    each rank fills its slots according to `Placement.initial` (slot p holds expert
+    p % N) and registers maps of that placement that the model owns, so it runs on its
+    own; a runtime replaces them through `set_eplb_state`. Everything runs without
+    autograd (the parameters need no grad).
 
     MixtureOfExperts members (vLLM's names): expert_weights, num_moe_layers,
     num_expert_groups, num_logical_experts, num_physical_experts,
@@ -55,6 +58,7 @@ class MoEModel(nn.Module):
     def __init__(self, args: MoEArgs, group: dist.ProcessGroup | None = None,
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
+        group = default_group(group)
         ep_size = dist.get_world_size(group) if group is not None else 1
         ep_rank = dist.get_rank(group) if group is not None else 0
         args.validate(ep_size)
@@ -212,6 +216,11 @@ class MoEModel(nn.Module):
         self.expert_weights[:] = [list(layer.get_expert_weights()) for layer in self.moe_layers]
         self.group, self.ep_size, self.ep_rank = None, 1, 0
         self.num_local_physical_experts = 0
+
+    def set_eplb_forward_counter(self, counter) -> None:
+        """Optional extension: count forwards into the runtime's
+        `eplb.protocol.ForwardCounter` (the first MoE layer calls `counter.forward`)."""
+        set_forward_counter(self.moe_layers, counter)
 
     # ---- workload knobs ----------------------------------------------------------
     @torch.no_grad()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 def check_num_layers(num_moe_layers: int, **tensors: torch.Tensor | None) -> None:
@@ -44,3 +45,13 @@ def check_replica_cdf(moe_layer_idx: int, logical_replica_cdf: torch.Tensor, num
         raise ValueError(f"logical_replica_cdf: on {t.device}, the layer's weights on {device}")
     if not t.dtype.is_floating_point:
         raise ValueError(f"logical_replica_cdf: needs a floating dtype, got {t.dtype}")
+
+
+def default_group(group):
+    """The EP group a model uses for `group`: torch's convention, None means the default
+    process group (`dist.group.WORLD`) when torch.distributed is initialised, and one
+    process (no communication) when it is not. For one process inside an initialised
+    job, pass a group of one rank (`dist.new_group([rank], use_local_synchronization=True)`)."""
+    if group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return group

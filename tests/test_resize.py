@@ -411,7 +411,9 @@ def _idle_ranks_join_body(rank, world):
         runtime = EplbRuntime(model, cfg, group=g01)
         _check_outputs(args, model, reference, rank, device)
     else:
-        model = MoEModel(args, device=device)  # a standby copy: its slots are ignored
+        # a standby copy, on a group of one (None would be the world): its slots are ignored
+        alone = dist.new_group([rank], use_local_synchronization=True)
+        model = MoEModel(args, group=alone, device=device)
         runtime = None
 
     # P = 10 does not divide over 3 ranks, P = 6 < N: every rank of the union {0, 1, 2}

@@ -108,7 +108,7 @@ def _soak_body(rank, world, steps, warmup, out_dir):
             fresh = expert_weights_for(args, layer, int(p2l[layer, rank * S + s]))
             for w, v in zip(weights, fresh):
                 assert torch.equal(w[s], v), f"rank {rank}: layer {layer} slot {s} differs from a fresh copy"
-    fresh_model = MoEModel(args)  # one process: same non-expert parameters
+    fresh_model = MoEModel(args)  # the default group: same non-expert parameters
     fresh_params = dict(fresh_model.named_parameters())
     for name, p in model.named_parameters():
         if ".experts." not in name:

@@ -24,8 +24,10 @@ log = logging.getLogger("eplb.core.config")
 
 @dataclass(frozen=True)
 class EplbConfig:
-    num_redundant_experts: int = 0
-    """Extra physical slots per layer beyond the N logical experts (P = N + this)."""
+    num_redundant_experts: int | None = None
+    """Extra physical slots per layer beyond the N logical experts (P = N + this).
+    None (not set): the model's, P - N (`verify` given `num_physical_experts`, as
+    `EplbRuntime` does; 0 without it). A value set is checked against the model."""
     window_size: int = 1000
     """Steps of recorded load the planner sees."""
     rebalance_interval: int = 3000
@@ -107,21 +109,27 @@ class EplbConfig:
         from eplb.core.policy import available_policies
 
         N, M = num_logical_experts, num_gpus
-        if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
-            raise ValueError(f"num_redundant_experts must be an int >= 0, got {self.num_redundant_experts!r}")
-        P = N + self.num_redundant_experts
+        R = self.num_redundant_experts
+        if R is None:
+            R = 0 if num_physical_experts is None else num_physical_experts - N
+            log.info("num_redundant_experts not set: using %d (%s)", R,
+                     "0, no model given" if num_physical_experts is None else
+                     f"the model's {num_physical_experts} slots - {N} experts")
+        if isinstance(R, bool) or not isinstance(R, int) or R < 0:
+            raise ValueError(f"num_redundant_experts must be an int >= 0, got {R!r}")
+        P = N + R
         if P % M:
-            ok = [r for r in range(self.num_redundant_experts + 3 * M) if (N + r) % M == 0][:3]
+            ok = [r for r in range(R + 3 * M) if (N + r) % M == 0][:3]
             raise ValueError(
-                f"num_redundant_experts={self.num_redundant_experts}: {P} physical slots "
+                f"num_redundant_experts={R}: {P} physical slots "
                 f"(N={N} + redundant) must be divisible by the {M} EP ranks; "
                 f"valid num_redundant_experts: {', '.join(map(str, ok))}, ..."
             )
         if num_physical_experts is not None and num_physical_experts != P:
             raise ValueError(
-                f"num_redundant_experts={self.num_redundant_experts} gives {P} slots but the model "
+                f"num_redundant_experts={R} gives {P} slots but the model "
                 f"has num_physical_experts={num_physical_experts}; set num_redundant_experts="
-                f"{num_physical_experts - N}"
+                f"{num_physical_experts - N} (or leave it unset: the runtime takes the model's)"
             )
         if not isinstance(self.window_size, int) or self.window_size < 1:
             raise ValueError(f"window_size must be an int >= 1, got {self.window_size!r}")
@@ -176,7 +184,7 @@ class EplbConfig:
         if self.rebalance_interval and self.window_size > self.rebalance_interval:
             log.info("window_size=%d > rebalance_interval=%d: each plan also sees load recorded "
                      "before the previous rebalance", self.window_size, self.rebalance_interval)
-        return dataclasses.replace(self, num_nodes=num_nodes)
+        return dataclasses.replace(self, num_redundant_experts=R, num_nodes=num_nodes)
 
 
 def nodes_from_env(world_size: int) -> int:

@@ -103,6 +103,15 @@ def agree(local: bool, group: dist.ProcessGroup | None) -> bool:
     return bool(flag.item())
 
 
+def agree_max(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
+    """The element-wise maximum of `values` over all ranks (one int64 MAX all-reduce)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
 def agree_min(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
     """The element-wise minimum of `values` over all ranks (one int64 MIN all-reduce)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:

@@ -29,8 +29,9 @@ from eplb.core.config import EplbConfig
 from eplb.core.placement import Placement, balancedness_of_gpu_loads
 from eplb.core.planning import predicted_gain, worth_moving
 from eplb.core.transfer_plan import transfer_stats
-from eplb.protocol import MixtureOfExperts, missing_members, supports_replica_weights
-from eplb.runtime.control import RebalanceRequests, agree
+from eplb.protocol import (ForwardCounter, MixtureOfExperts, is_unwrapped_hf_model,
+                           missing_members, supports_replica_weights)
+from eplb.runtime.control import RebalanceRequests, agree, agree_max
 from eplb.runtime.events import NO_LOAD, RebalanceEvent
 from eplb.runtime.groups import EplbGroups, NoSpareGroups
 from eplb.runtime.placement_change import EplbFatalError, MoveOptions, PlacementChange, RebalanceError
@@ -85,6 +86,10 @@ class EplbRuntime:
         or one wrapping it, e.g. to inject faults in tests); default: made from
         `config.transport` (collective)."""
         missing = missing_members(model)
+        if missing and is_unwrapped_hf_model(model):
+            raise TypeError(f"{type(model).__name__} is a transformers model: pass what "
+                            "`moe.hf.expert_parallel(model, R)` returns (the expert-parallel "
+                            "wrapper, which implements MixtureOfExperts), not the model itself")
         if missing:
             raise TypeError(f"{type(model).__name__} does not implement MixtureOfExperts: "
                             f"missing {', '.join(missing)}")
@@ -100,7 +105,7 @@ class EplbRuntime:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         L, N = model.num_moe_layers, model.num_logical_experts
         P, S = model.num_physical_experts, model.num_local_physical_experts
-        config = config or EplbConfig(num_redundant_experts=P - N)
+        config = config or EplbConfig()  # num_redundant_experts unset: the model's P - N
         self.config = config.verify(N, self.world_size, num_physical_experts=P)
         if S * self.world_size != P:
             raise ValueError(f"model has num_local_physical_experts={S} on each of {self.world_size} "
@@ -127,6 +132,11 @@ class EplbRuntime:
         self._warned_even_split = False
         if self.replica_weights_supported:
             model.set_eplb_replica_weights(self.logical_replica_cdf)
+        # optional extension (eplb.protocol.ForwardCounter): the model counts its forwards,
+        # so a job that never steps is warned and ranks' forward counts can be compared
+        self.forward_counter = ForwardCounter()
+        if callable(getattr(model, "set_eplb_forward_counter", None)):
+            model.set_eplb_forward_counter(self.forward_counter)
         self.expert_weights = [list(w) for w in model.expert_weights]  # L lists of [S, ...] tensors
         problem = expert_weights_problem(model, self.expert_weights, S)  # this rank's; all ranks agree below
 
@@ -233,6 +243,7 @@ class EplbRuntime:
         if self.closed:
             raise RuntimeError("this EplbRuntime was closed (close())")
         self.recorder.record(self.expert_load_pass, self.physical_to_logical)
+        self.forward_counter.step()
         self.steps += 1
         if self.steps == self.config.zero_load_warn_steps:  # once (0 = never)
             self._warn_if_no_load()
@@ -261,9 +272,21 @@ class EplbRuntime:
                         "rebalancing is held off until it does", self.steps)
 
     def _agree_requested(self) -> bool:
-        """Whether any rank of the group holds a request (a one-rank group asks no one)."""
+        """Whether any rank of the group holds a request (a one-rank group asks no one).
+        The same all-reduce compares the ranks' forward counts (`ForwardCounter`): raises
+        RuntimeError on every rank when they differ."""
         pending = self.requests.has_pending()
-        return pending if self.world_size == 1 else agree(pending, self.groups.control)
+        if self.world_size == 1:
+            return pending
+        forwards = self.forward_counter.forwards
+        pending, high, low = agree_max([int(pending), forwards, -forwards], self.groups.control)
+        if high != -low:
+            raise RuntimeError(
+                f"EP ranks ran different numbers of forwards by step {self.steps}: this rank "
+                f"{forwards}, the ranks between {-low} and {high}; every rank of the EP group "
+                "must run the same number of forwards (the same number of generate() steps, "
+                "the same batches) and call runtime.step() after each")
+        return bool(pending)
 
     def rebalance(self, trigger: str = "api") -> RebalanceEvent | None:
         """Plan on the recorded window and move weights (collective over the group).

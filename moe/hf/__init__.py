@@ -1,8 +1,8 @@
 """Hugging Face transformers MoE models, expert-parallel under the EPLB runtime.
 
     model = AutoModelForCausalLM.from_pretrained(path)      # or moe.hf.from_pretrained
-    ep = moe.hf.expert_parallel(model, num_redundant_experts=2, group=ep_group)
-    runtime = eplb.EplbRuntime(ep, eplb.EplbConfig(num_redundant_experts=2), group=ep_group)
+    ep = moe.hf.expert_parallel(model, num_redundant_experts=2)  # group: the default one
+    runtime = eplb.EplbRuntime(ep, eplb.EplbConfig())             # R taken from ep
     out = ep(input_ids); runtime.step()                       # ep.generate(...) works too
 
 Needs the optional extra `transformers` (`pip install -e '.[hf]'`); the core packages

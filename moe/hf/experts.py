@@ -26,6 +26,7 @@ from torch import nn
 
 from ..dispatch import (check_same_tokens, combine, count_slots, dispatch, map_to_physical,
                         record_load, sort_by_slot)
+from ..ep_guard import enter_forward
 from ..state import check_replica_cdf, check_state_rows
 from .grouped import SortedExperts, _slot_of_rows, sorted_rows_apply
 
@@ -202,6 +203,7 @@ class ExpertParallelExperts:
         W = self._world()
         if W * S != P:
             raise RuntimeError(f"{self.name}: {W} ranks x {S} local slots != {P} slots")
+        enter_forward(self)  # counts forwards, names this layer in a collective's error
         physical = map_to_physical(top_k_index, self.logical_to_physical_map,
                                    self.logical_replica_count, self.logical_replica_cdf)  # [T, K]
         if W == 1:

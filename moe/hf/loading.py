@@ -30,6 +30,7 @@ try:  # installed with transformers (the `hf` extra)
 except ImportError:  # pragma: no cover - the error is raised in from_pretrained
     safe_open = None
 
+from ..state import default_group
 from .experts import find_experts_modules, keep_local_slots, slot_experts, stacked_names
 from .model import ExpertParallelModel, expert_parallel
 
@@ -145,6 +146,7 @@ def from_pretrained(path: str, num_redundant_experts: int,
         skeleton = cls._from_config(config)  # shapes only, no memory: which modules, N
     found = [(n, m, *stacked_names(n, m)) for n, m in find_experts_modules(skeleton)]
     N = found[0][2]
+    group = default_group(group)
     W = dist.get_world_size(group) if group is not None else 1
     rank = dist.get_rank(group) if group is not None else 0
     P = N + num_redundant_experts

@@ -8,8 +8,9 @@ from torch import nn
 
 from eplb.core.placement import Placement
 
+from ..ep_guard import set_forward_counter
 from ..model import eplb_state_for
-from ..state import check_num_layers
+from ..state import check_num_layers, default_group
 from .experts import (LOCAL_EXPERTS_ATTR, NUM_LOGICAL_ATTR, ExpertParallelExperts, find_experts_modules,
                       keep_local_slots, slot_experts, stacked_names)
 
@@ -40,6 +41,8 @@ class ExpertParallelModel(nn.Module):
     At construction it registers maps of the start-up placement that it owns, so it runs
     on its own; a runtime replaces them through `set_eplb_state`.
     Every rank of `group` must make the same calls (forwards exchange tokens).
+    `group` None means torch's default group (`dist.group.WORLD`) when torch.distributed
+    is initialised, else one process (`moe.state.default_group`).
     """
 
     def __init__(self, model: nn.Module, num_redundant_experts: int,
@@ -50,7 +53,7 @@ class ExpertParallelModel(nn.Module):
             raise ValueError(f"num_redundant_experts: must be an int >= 0, got "
                              f"{num_redundant_experts!r}")
         self.model = model
-        self.group = group
+        self.group = group = default_group(group)
         W = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         found = find_experts_modules(model)
@@ -206,6 +209,11 @@ class ExpertParallelModel(nn.Module):
         self.group, self.ep_size, self.ep_rank = None, 1, 0
         self.num_local_physical_experts = 0
 
+    def set_eplb_forward_counter(self, counter) -> None:
+        """Optional extension: count forwards into the runtime's
+        `eplb.protocol.ForwardCounter` (the first MoE layer calls `counter.forward`)."""
+        set_forward_counter(self.moe_layers, counter)
+
     # ---- knobs -------------------------------------------------------------------
     def set_record_load(self, enabled: bool) -> None:
         """Turn load counting on or off in every layer (e.g. off for warm-up batches)."""
@@ -217,7 +225,8 @@ def expert_parallel(model: nn.Module, num_redundant_experts: int,
                     group: dist.ProcessGroup | None = None) -> ExpertParallelModel:
     """Make a loaded transformers MoE model expert-parallel over `group` in place.
 
-    Every rank calls it on the same model. Each `*Experts` module keeps only this rank's
+    Every rank calls it on the same model. `group` None: torch's default group when
+    torch.distributed is initialised, else one process (no communication). Each `*Experts` module keeps only this rank's
     S = (N + num_redundant_experts) / W slots of every stacked tensor (the full tensors
     are freed); slot p holds expert p mod N at start-up. Returns the
     `ExpertParallelModel` to call instead of `model` and to hand to `eplb.EplbRuntime`.
