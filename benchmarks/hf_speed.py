@@ -28,7 +28,6 @@ import argparse
 import copy
 import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path

@@ -97,26 +97,27 @@ def weighted_replica(
 _CONSTANTS: dict[tuple, torch.Tensor] = {}  # small per-shape tensors, made once per device
 
 
-def _constant(kind: str, n: int, device: torch.device) -> torch.Tensor:
-    """Tensors that depend only on a size: "hash" [n] the `_mul_low32` hash of 0..n-1,
-    "bounds" [n] 1..n int64, "one" [n] int64 ones (a stride-0 view). Cached per (kind,
-    n, device) in eager mode, so a decode step launches no kernel to rebuild them; made
-    inline under torch.compile (fused there, and no cached tensor becomes a graph
-    constant)."""
+def _constant(kind: str, n: int, device: torch.device, rows: int = 1) -> torch.Tensor:
+    """Tensors that depend only on sizes, cached per (kind, n, rows, device) in eager mode
+    so that a decode step launches no kernel to rebuild them (made inline under
+    torch.compile, where they fuse and no cached tensor becomes a graph constant):
+    "replica" [rows, n]: row c is `hash_replica` of positions 0..n-1 with count c
+    ((h * c) >> 32, the hash h of the position); "one" [n]: int64 ones (a stride-0 view).
+    """
+    key = (kind, n, rows, device)
     if not torch.compiler.is_compiling():
-        found = _CONSTANTS.get((kind, n, device))
+        found = _CONSTANTS.get(key)
         if found is not None:
             return found
-    if kind == "hash":
-        t = _mul_low32(torch.arange(n, device=device), KNUTH)
-    elif kind == "bounds":
-        t = torch.arange(1, n + 1, device=device)
+    if kind == "replica":
+        h = _mul_low32(torch.arange(n, device=device), KNUTH)  # [n]
+        t = (h * torch.arange(rows, device=device).unsqueeze(1)) >> 32  # [rows, n]
     else:
         t = torch.ones(1, dtype=torch.int64, device=device).expand(n)
     if not torch.compiler.is_compiling():
         if len(_CONSTANTS) > 256:  # many distinct batch sizes: start over
             _CONSTANTS.clear()
-        _CONSTANTS[(kind, n, device)] = t
+        _CONSTANTS[key] = t
     return t
 
 
@@ -128,13 +129,15 @@ def map_to_physical(
 ) -> torch.Tensor:  # [T, K] physical slot ids
     """Pick a replica slot for every (token, k), spreading tokens over replicas: evenly
     without a cdf (`hash_replica`), by the replica shares with one (`weighted_replica`).
-    Fixed shapes, no host sync. The even split is four kernels (the hash of the flat
-    positions is cached per T*K): count gather, multiply, shift, slot gather."""
+    Fixed shapes, no host sync. The even split is three kernels (a decode step's host
+    time is mostly kernel launches): count gather, replica lookup in the table of
+    `hash_replica` per (count, flat position), made once per (T*K, R), and slot gather."""
     T, K = topk_ids.shape
     if logical_replica_cdf is None:
-        h = _constant("hash", T * K, topk_ids.device).view(T, K)  # [T, K] hash_replica's h
-        count = logical_replica_count[topk_ids]  # [T, K]
-        replica = (h * count) >> 32  # [T, K] = hash_replica(flat position, count)
+        table = _constant("replica", T * K, topk_ids.device,
+                          logical_to_physical_map.shape[-1] + 1)  # [R + 1, T*K]
+        count = logical_replica_count[topk_ids].view(1, T * K).long()  # [1, T*K]
+        replica = table.gather(0, count).view(T, K)  # [T, K] hash_replica(position, count)
     else:
         index = torch.arange(T * K, device=topk_ids.device).view(T, K)  # [T, K] flat position
         replica = weighted_replica(index, topk_ids, logical_replica_count,
@@ -153,34 +156,12 @@ def count_slots(physical_ids: torch.Tensor, num_slots: int) -> torch.Tensor:  # 
 def record_load(expert_load_view: torch.Tensor, physical_ids: torch.Tensor) -> None:
     """Count each (token, k) choice into `expert_load_view [P]` in place: one
     `scatter_add_`, no host sync. For callers that need no histogram themselves (one
-    process: `sort_by_slot` gives the expert offsets); `MoELayer` instead adds the
+    process, where the experts' own forward counts rows); `MoELayer` instead adds the
     `count_slots` histogram that dispatch computes anyway."""
     flat = physical_ids.reshape(-1)  # [T*K]
     one = _constant("one", flat.numel(), flat.device)  # [T*K] int64
     expert_load_view.scatter_add_(0, flat, one if expert_load_view.dtype == torch.int64
                                   else one.to(expert_load_view.dtype))
-
-
-def sort_by_slot(
-    x: torch.Tensor,  # [T, H]
-    physical_ids: torch.Tensor,  # [T, K] slots in [0, P)
-    num_slots: int,  # P
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, "DispatchState"]:
-    """One process's dispatch: the (token, k) copies of x sorted by slot, as `dispatch`
-    with no group, plus what a grouped GEMM needs, without a histogram pass.
-
-    Returns (x_sorted [T*K, H], offsets [P] int32 end row of each slot's rows (the
-    `offs` of `torch._grouped_mm`), slot_sorted [T*K] the slot of each row, state for
-    `combine`). One sort, one gather, one `searchsorted`; no host sync.
-    """
-    T, K = physical_ids.shape
-    # the same (unstable) sort as transformers' grouped_mm forward: at P = N the rows then
-    # reach the GEMM in its order, so even a CPU GEMM gives bitwise its result
-    slot_sorted, order = torch.sort(physical_ids.reshape(-1))  # [T*K] each
-    x_sorted = x[order // K]  # [T*K, H]
-    bounds = _constant("bounds", num_slots, x.device)  # [P] 1..P
-    offsets = torch.searchsorted(slot_sorted, bounds, out_int32=True)  # [P] rows < slot + 1
-    return x_sorted, offsets, slot_sorted, DispatchState(order, T, K)
 
 
 def weighted_sum(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -141,10 +141,49 @@ def test_even_runtime_routes_like_the_model_alone():
     args = _args()
     alone, managed = MoEModel(args, device=device), MoEModel(args, device=device)
     runtime = EplbRuntime(managed, EplbConfig(num_redundant_experts=4, rebalance_interval=0))
+    # an even placement is routed without the cdf (_route_by_shares); register it anyway:
+    # the cdf path must pick bitwise the even path's replicas
+    managed.set_eplb_replica_weights(runtime.logical_replica_cdf)
     assert managed.moe_layers[0].logical_replica_cdf is not None
     x = sample_tokens(args, 2048, seed=1, device=device)
     assert torch.equal(managed(x), alone(x))
     assert torch.equal(runtime.expert_load_pass, alone.expert_load_view)
+
+
+def test_cdf_is_registered_only_while_shares_may_be_uneven():
+    """The runtime routes through the cdf (about 20 kernels per layer) only when a
+    placement with uneven shares is in force or coming, or weighted planning is on;
+    an even placement goes through the few-kernel even split."""
+    from moe import MoEModel, sample_tokens
+
+    device = device_for(0)
+    args = _args()
+    model = MoEModel(args, device=device)
+    registered = lambda: model.moe_layers[0].logical_replica_cdf is not None  # noqa: E731
+    runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=4, rebalance_interval=0))
+    assert not registered()
+    p2l = runtime.placement.physical_to_logical.copy()  # [L, P] start-up: p holds p mod N
+    N = runtime.placement.num_logical_experts
+    shares = np.ones(p2l.shape)  # experts 0..3 have two replicas: split them 3:1
+    for e in range(4):
+        shares[:, [e, N + e]] = [0.75, 0.25]
+    uneven = Placement(p2l, N, runtime.placement.num_gpus, shares=shares)
+    seen = []
+    original = model.set_eplb_replica_weights
+    model.set_eplb_replica_weights = lambda cdf: (seen.append(
+        (cdf is not None, float(runtime.logical_replica_cdf[0, 0, 0]))), original(cdf))[1]
+    runtime.apply_placement(uneven)
+    # registered before the maps switched: expert 0's cdf still the even 0.5, not 0.75
+    assert seen == [(True, 0.5)] and registered()
+    assert float(runtime.logical_replica_cdf[0, 0, 0]) == 0.75
+    model(sample_tokens(args, 64, seed=2, device=device))
+    runtime.apply_placement(Placement(p2l, N, runtime.placement.num_gpus))  # even again
+    assert seen[-1][0] is False and not registered()
+    runtime.close()
+    weighted = EplbRuntime(MoEModel(args, device=device), EplbConfig(
+        num_redundant_experts=4, rebalance_interval=0, weighted_replicas=True))
+    assert weighted.model.moe_layers[0].logical_replica_cdf is not None
+    weighted.close()
 
 
 # ---- (a) one process: uneven shares ---------------------------------------------------
@@ -194,6 +233,8 @@ def test_uneven_shares_single_process():
     runtime.expert_load_pass.zero_()
     model(x)
     assert runtime.expert_load_pass[0, e0[1]] == 0 and runtime.expert_load_pass[0, e0[0]] > 0
+    for i, layer in enumerate(model.moe_layers):  # uneven shares: views of the runtime's cdf
+        assert layer.logical_replica_cdf.data_ptr() == runtime.logical_replica_cdf[i].data_ptr()
     runtime.apply_placement(placement.with_physical_to_logical(p2l, "test"))
     runtime.expert_load_pass.zero_()
     torch.testing.assert_close(model(x), reference(x), **TOL)
@@ -204,11 +245,10 @@ def test_uneven_shares_single_process():
     alone(x)
     assert torch.equal(runtime.expert_load_pass, alone.expert_load_view)
 
-    # nothing was reallocated; the layers still hold views of the runtime's cdf
+    # nothing was reallocated; an even placement again routes without the cdf
     assert _map_ptrs(runtime) == ptrs
     assert [w.data_ptr() for ws in runtime.expert_weights for w in ws] == weight_ptrs
-    for i, layer in enumerate(model.moe_layers):
-        assert layer.logical_replica_cdf.data_ptr() == runtime.logical_replica_cdf[i].data_ptr()
+    assert all(layer.logical_replica_cdf is None for layer in model.moe_layers)
 
 
 def test_layer_replica_weights_checks_and_reset():

@@ -130,8 +130,8 @@ class EplbRuntime:
         # model splits every expert's tokens evenly over its replicas
         self.replica_weights_supported = supports_replica_weights(model)
         self._warned_even_split = False
-        if self.replica_weights_supported:
-            model.set_eplb_replica_weights(self.logical_replica_cdf)
+        self._cdf_registered = False  # whether the model routes by logical_replica_cdf now
+        self._route_by_shares()
         # optional extension (eplb.protocol.ForwardCounter): the model counts its forwards,
         # so a job that never steps is warned and ranks' forward counts can be compared
         self.forward_counter = ForwardCounter()
@@ -378,6 +378,7 @@ class EplbRuntime:
                                                     info["load"])
             return new
 
+        self._route_by_shares(coming=new)  # before any layer switches to new's maps
         return self._begin(plan_fn, info, asynchronous=not wait)
 
     def close(self, timeout: float | None = None) -> None:
@@ -510,6 +511,7 @@ class EplbRuntime:
             self.placement = new
             if not self.replica_weights_supported and _has_uneven_shares(new):
                 self._warn_even_split(type(self.model).__name__)
+            self._route_by_shares()
             self.recorder.on_placement_change()
         stats = transfer_stats(old.physical_to_logical, new.physical_to_logical, self.world_size)
         load = info["load"]  # [L, N] the window the plan was made on
@@ -545,6 +547,21 @@ class EplbRuntime:
         switches them layer by layer, see PlacementChange)."""
         for dst, src in zip(self._maps, placement.maps(self.max_replicas)):
             dst.copy_(torch.from_numpy(src))
+
+    def _route_by_shares(self, coming: Placement | None = None) -> None:
+        """Register `logical_replica_cdf` with the model only while routing may need it:
+        when the config plans weighted replicas, or the placement in force (or `coming`,
+        about to be applied) has uneven shares. Otherwise register None: the model then
+        takes its even-split path, which picks bitwise the replicas the cdf path picks
+        for even rows (`moe.dispatch.weighted_replica`) in a few kernels instead of ~20,
+        a large part of a decode step's host time."""
+        if not self.replica_weights_supported:
+            return
+        want = (self.config.weighted_replicas or _has_uneven_shares(self.placement)
+                or (coming is not None and _has_uneven_shares(coming)))
+        if want != self._cdf_registered:
+            self.model.set_eplb_replica_weights(self.logical_replica_cdf if want else None)
+            self._cdf_registered = want
 
     def _realised(self, placement: Placement) -> Placement:
         """The placement as the model routes it: without the weighted-replicas extension

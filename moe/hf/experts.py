@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dispatch import (check_same_tokens, combine, count_slots, dispatch, map_to_physical,
-                        record_load, sort_by_slot)
+                        record_load)
 from ..ep_guard import enter_forward
 from ..state import check_replica_cdf, check_state_rows
 from .grouped import SortedExperts, _slot_of_rows, sorted_rows_apply
@@ -191,11 +191,11 @@ class ExpertParallelExperts:
         """hidden_states [T, H], top_k_index [T, K] logical ids, top_k_weights [T, K]
         -> routed expert output [T, H]. Every rank of the group must call it.
 
-        One process (W = 1): one sort by slot, the experts on the sorted rows, one
-        unsort, as transformers' own grouped_mm forward does, plus the replica choice
-        and one load `scatter_add_`; no host sync. W > 1: `dispatch` ("exact": one host
-        sync for the split sizes; "fixed": none), the experts on the received rows
-        (sorted by local slot), `combine`.
+        One process (W = 1): the replica choice, one load `scatter_add_`, then the
+        module's own forward on slot ids; no host sync (none either in "grouped_mm" or
+        "batched_mm"). W > 1: `dispatch` ("exact": one host sync for the split sizes;
+        "fixed": none), the experts on the received rows, already sorted by local slot
+        (`SortedExperts`: no second sort), `combine`.
         """
         if self.logical_to_physical_map is None:
             raise RuntimeError(f"{self.name}: set_eplb_state was never called")
@@ -207,38 +207,38 @@ class ExpertParallelExperts:
         physical = map_to_physical(top_k_index, self.logical_to_physical_map,
                                    self.logical_replica_count, self.logical_replica_cdf)  # [T, K]
         if W == 1:
+            # nothing to exchange: the module's own forward on the slot ids (its
+            # num_experts is S = P), so the rows are sorted once, by its own sort, and
+            # whatever experts implementation the model runs now (transformers switches
+            # to "batched_mm" for decode on GPUs) is the one that runs
             if self.record_load:
                 record_load(self.expert_load_view, physical)
-            x_local, offsets, slot, state = sort_by_slot(hidden_states, physical, P)  # [T*K, H]
-            y_local = self._experts(x_local, offsets, slot)  # [T*K, H]
-        else:
-            if self.dispatch_mode == "fixed" and (hidden_states.shape[0], self.group) != self._fixed_checked:
-                check_same_tokens(hidden_states.shape[0], hidden_states.device, self.group)
-                self._fixed_checked = (hidden_states.shape[0], self.group)
-            slot_counts = count_slots(physical, P)  # [P]
-            if self.record_load:
-                self.expert_load_view.add_(slot_counts.to(self.expert_load_view.dtype))
-            x_local, counts, _, state = dispatch(hidden_states, physical, S, self.group,
-                                                 slot_counts, self.dispatch_mode)  # [T_r, H], [S]
-            offsets = counts.cumsum(0, dtype=torch.int32)  # [S] end row of each local slot
-            y_local = self._experts(x_local, offsets, None)  # [T_r, H]
+            return self._expert_forward(self.module, hidden_states, physical, top_k_weights)
+        if self.dispatch_mode == "fixed" and (hidden_states.shape[0], self.group) != self._fixed_checked:
+            check_same_tokens(hidden_states.shape[0], hidden_states.device, self.group)
+            self._fixed_checked = (hidden_states.shape[0], self.group)
+        slot_counts = count_slots(physical, P)  # [P]
+        if self.record_load:
+            self.expert_load_view.add_(slot_counts.to(self.expert_load_view.dtype))
+        x_local, counts, _, state = dispatch(hidden_states, physical, S, self.group,
+                                             slot_counts, self.dispatch_mode)  # [T_r, H], [S]
+        offsets = counts.cumsum(0, dtype=torch.int32)  # [S] end row of each local slot
+        y_local = self._experts(x_local, offsets)  # [T_r, H]
         out = combine(y_local, state, self.group)  # [T, K, H]
         # the gate weights as transformers' own experts forward applies them (same dtype
         # promotion), then the sum over k
         return (out * top_k_weights.unsqueeze(-1)).sum(1).to(hidden_states.dtype)  # [T, H]
 
-    def _experts(self, x_local: torch.Tensor, offsets: torch.Tensor,
-                 slot: torch.Tensor | None) -> torch.Tensor:
+    def _experts(self, x_local: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The module's expert math on rows sorted by local slot: x_local [T', H],
         offsets [S] int32 end rows -> [T', H] (rows past offsets[-1] are padding)."""
         rows = x_local.shape[0]
         if rows == 0:
             return x_local.new_zeros(x_local.shape)  # [0, H]
         if self._sorted is not None:
-            return self._sorted(x_local, offsets, slot)
+            return self._sorted(x_local, offsets)
         # another experts implementation: the module's own forward, one (token, k) copy
         # per row with weight 1 (its own sort then finds the rows already in order)
-        if slot is None:
-            slot = _slot_of_rows(offsets, rows)  # [T']
+        slot = _slot_of_rows(offsets, rows)  # [T']
         ones = torch.ones(rows, 1, dtype=x_local.dtype, device=x_local.device)  # [T', 1]
         return self._expert_forward(self.module, x_local, slot.unsqueeze(1), ones)  # [T', H]

@@ -88,14 +88,11 @@ class SortedExperts:
             out.add_(bias[slot])  # [T', out]
         return out
 
-    def __call__(self, x: torch.Tensor, offsets: torch.Tensor,
-                 slot: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T', H] rows sorted by local slot, offsets [S] int32 end row of each slot,
-        slot [T'] each row's slot (only read with biases; derived from the offsets when
-        None) -> [T', H], one row per input row, no gate weight applied."""
+    def __call__(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """x [T', H] rows sorted by local slot, offsets [S] int32 end row of each slot
+        -> [T', H], one row per input row, no gate weight applied."""
         m = self.module
-        if m.has_bias and slot is None:
-            slot = _slot_of_rows(offsets, x.shape[0])
+        slot = _slot_of_rows(offsets, x.shape[0]) if m.has_bias else None  # [T']
         up_w = m.gate_up_proj if m.has_gate else m.up_proj
         up_b = (m.gate_up_proj_bias if m.has_gate else m.up_proj_bias) if m.has_bias else None
         h = self._linear(x, up_w, offsets, up_b, slot)  # [T', 2I] or [T', I]

@@ -220,6 +220,17 @@ class ExpertParallelModel(nn.Module):
         for layer in self.moe_layers:
             layer.record_load = enabled
 
+    def set_dispatch_mode(self, mode: str) -> None:
+        """How tokens cross ranks (W > 1; see `moe.dispatch`): "exact" (the default) sends
+        exactly the rows each rank needs and reads the split sizes on the host once per
+        layer; "fixed" exchanges equal blocks of T*K rows, with no host sync, for decode
+        (every rank must then pass the same number of tokens: checked with one
+        all-reduce whenever T changes). Every rank must set the same mode."""
+        if mode not in ("exact", "fixed"):
+            raise ValueError(f"mode: {mode!r} is not 'exact' or 'fixed'")
+        for layer in self.moe_layers:
+            layer.dispatch_mode = mode
+
 
 def expert_parallel(model: nn.Module, num_redundant_experts: int,
                     group: dist.ProcessGroup | None = None) -> ExpertParallelModel:
