@@ -142,8 +142,8 @@ class ForwardCounter:
     `set_eplb_forward_counter(counter)` gets the runtime's counter at start-up and calls
     `counter.forward(record_load)` once per forward (e.g. from its first MoE layer); the
     runtime calls `step()` in every `EplbRuntime.step()`. When WARN_AFTER forwards record
-    load with no step between them, it warns once: the runtime is not being stepped, so
-    nothing is ever rebalanced. `forwards` lets the runtime check that every EP rank ran
+    load and the runtime was never stepped, it warns once: nothing is ever rebalanced.
+    (A job that steps after each `generate()`, many forwards apart, is not warned.) `forwards` lets the runtime check that every EP rank ran
     the same number of forwards.
     """
 
@@ -153,12 +153,13 @@ class ForwardCounter:
         self.forwards = 0  # forwards since the runtime registered the counter
         self.since_step = 0  # of them, forwards that recorded load since the last step()
         self.warned = False
+        self.stepped = False  # step() was called at least once
 
     def forward(self, record_load: bool) -> None:
         self.forwards += 1
         if record_load:
             self.since_step += 1
-            if self.since_step == self.WARN_AFTER and not self.warned:
+            if self.since_step == self.WARN_AFTER and not (self.warned or self.stepped):
                 self.warned = True
                 logging.getLogger("eplb.runtime").warning(
                     "eplb: %d forwards recorded load but runtime.step() was never called "
@@ -167,3 +168,4 @@ class ForwardCounter:
 
     def step(self) -> None:
         self.since_step = 0
+        self.stepped = True

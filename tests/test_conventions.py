@@ -152,20 +152,26 @@ def test_forwards_without_step_warn_once(caplog):
         try:
             with caplog.at_level(logging.WARNING, logger="eplb.runtime"):
                 caplog.clear()
-                _forward(model, x, N + 5, runtime)  # stepped after each forward: no warning
                 model.set_record_load(False)
                 _forward(model, x, N + 5)  # not recording load (warm-up): no warning
                 model.set_record_load(True)
                 _forward(model, x, N - 1)
                 assert "runtime.step()" not in caplog.text, name
-                _forward(model, x, 1)
+                _forward(model, x, 1)  # the N-th forward recording load, never stepped
                 warned = [r for r in caplog.records if "runtime.step()" in r.getMessage()]
                 assert len(warned) == 1, (name, caplog.text)
                 assert "call runtime.step() after each forward" in warned[0].getMessage()
                 _forward(model, x, N + 5)  # only once
-                runtime.step()
-                _forward(model, x, N + 5)
                 assert len([r for r in caplog.records if "runtime.step()" in r.getMessage()]) == 1
+            runtime.close()
+            runtime = EplbRuntime(model, EplbConfig(rebalance_interval=0))
+            with caplog.at_level(logging.WARNING, logger="eplb.runtime"):
+                caplog.clear()
+                _forward(model, x, 3, runtime)  # stepped after each forward: no warning
+                for _ in range(2):  # stepped once per generate()-like burst: no warning
+                    _forward(model, x, N + 5)
+                    runtime.step()
+                assert "runtime.step()" not in caplog.text, (name, caplog.text)
         finally:
             runtime.close()
 

@@ -96,29 +96,25 @@ def new_group_like(group: dist.ProcessGroup | None, backend: str,
 
 def agree(local: bool, group: dist.ProcessGroup | None) -> bool:
     """True on every rank when `local` is True on any rank (one-int MAX all-reduce)."""
+    return bool(agree_max([int(local)], group)[0])
+
+
+def _all_reduce_ints(values: list[int], op, group: dist.ProcessGroup | None) -> list[int]:
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return local
-    flag = torch.tensor([int(local)], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=op, group=group)
+    return t.tolist()
 
 
 def agree_max(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
     """The element-wise maximum of `values` over all ranks (one int64 MAX all-reduce)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
+    return _all_reduce_ints(values, dist.ReduceOp.MAX, group)
 
 
 def agree_min(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
     """The element-wise minimum of `values` over all ranks (one int64 MIN all-reduce)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return list(values)
-    t = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return t.tolist()
+    return _all_reduce_ints(values, dist.ReduceOp.MIN, group)
 
 
 class PendingMin:
