@@ -100,21 +100,25 @@ _CONSTANTS: dict[tuple, torch.Tensor] = {}  # small per-shape tensors, made once
 def _constant(kind: str, n: int, device: torch.device, rows: int = 1) -> torch.Tensor:
     """Tensors that depend only on sizes, cached per (kind, n, rows, device) in eager mode
     so that a decode step launches no kernel to rebuild them (made inline under
-    torch.compile, where they fuse and no cached tensor becomes a graph constant):
+    torch.compile, where they fuse and no cached tensor becomes a graph constant, and
+    not cached when first made inside a CUDA-graph capture, whose kernels run only at
+    replay):
     "replica" [rows, n]: row c is `hash_replica` of positions 0..n-1 with count c
     ((h * c) >> 32, the hash h of the position); "one" [n]: int64 ones (a stride-0 view).
     """
     key = (kind, n, rows, device)
-    if not torch.compiler.is_compiling():
-        found = _CONSTANTS.get(key)
-        if found is not None:
-            return found
+    found = _CONSTANTS.get(key)
+    if found is not None and not torch.compiler.is_compiling():
+        return found
+    # made inside a CUDA-graph capture, its kernels run only at replay: never cache that
+    cache = not (torch.compiler.is_compiling()
+                 or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
     if kind == "replica":
         h = _mul_low32(torch.arange(n, device=device), KNUTH)  # [n]
         t = (h * torch.arange(rows, device=device).unsqueeze(1)) >> 32  # [rows, n]
     else:
         t = torch.ones(1, dtype=torch.int64, device=device).expand(n)
-    if not torch.compiler.is_compiling():
+    if cache:
         if len(_CONSTANTS) > 256:  # many distinct batch sizes: start over
             _CONSTANTS.clear()
         _CONSTANTS[key] = t

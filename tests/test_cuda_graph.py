@@ -111,6 +111,31 @@ def test_single_gpu_forward_and_recording_have_no_host_sync():
 
 
 @needs_cuda
+def test_a_size_first_seen_inside_a_capture_is_not_cached_unfilled():
+    """`moe.dispatch` caches small per-size tables; one first made inside a capture holds
+    nothing until replay, so it must not be cached: an eager forward of that size after
+    the capture still routes right (equal to the same model's before, load included)."""
+    from moe.dispatch import _CONSTANTS
+
+    args = MoEArgs(**ARGS)
+    model = MoEModel(args, device="cuda")
+    x = sample_tokens(args, 77, seed=4, device="cuda")  # a T*K no other test uses
+    model.expert_load_view.zero_()
+    want = model(x)
+    want_load = model.expert_load_view.clone()
+    model(sample_tokens(args, 64, seed=5, device="cuda"))  # kernels warmed up
+    torch.cuda.synchronize()
+    _CONSTANTS.clear()  # this size's tables are now made inside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model(x)
+    torch.cuda.synchronize()
+    model.expert_load_view.zero_()
+    assert torch.equal(model(x), want)  # eager, after the capture
+    assert torch.equal(model.expert_load_view, want_load)
+
+
+@needs_cuda
 def test_captured_forward_follows_rebalances():
     """Capture once; replay before and after two rebalances (a random placement through
     apply_placement, then one planned by runtime.rebalance() with weighted replicas).
