@@ -461,7 +461,9 @@ def _one_rank_body(rank, world):
     cfg = EplbConfig(num_redundant_experts=0, rebalance_interval=0)
     g01 = dist.new_group([0, 1])
     reference = DenseMoEModel(args, device=device)
-    model = MoEModel(args, group=g01 if rank < 2 else None, device=device)
+    # rank 2 stands by with all slots on its own (group=None would mean the default group)
+    alone = None if rank < 2 else dist.new_group([rank], use_local_synchronization=True)
+    model = MoEModel(args, group=g01 if rank < 2 else alone, device=device)
     runtime = EplbRuntime(model, cfg, group=g01) if rank < 2 else None
     res = resize_expert_parallel(model, [0, 1], [1], runtime=runtime)
     assert res.member == (rank == 1)
