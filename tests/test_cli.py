@@ -313,3 +313,18 @@ def test_help_and_errors_show_only_the_canonical_flag(capsys):
                              "--window", "0", "--rebalance-interval", "1"], capsys)
     assert code == 2 and err.strip() == ("eplb simulate: error: argument --window-size: "
                                          "--window-size must be >= 1, got 0"), err
+
+
+def test_demo_defaults_fit_every_rank_count_from_1_to_8():
+    """`eplb demo --nproc N` with its defaults: the EPLB config and the model arguments are
+    valid for every N from 1 to 8 (32 experts + one spare per rank gave 35 slots on 3)."""
+    from eplb.ops.demo import build_parser, check_demo_arguments, setup
+
+    a = build_parser().parse_args([])
+    check_demo_arguments(a)
+    for world in range(1, 9):
+        config, args, _ = setup(a, world)
+        R = config.num_redundant_experts
+        assert world <= R < 2 * world, (world, R)  # at least one spare per rank
+        assert (a.experts + R) % world == 0, (world, R)
+        assert args.num_physical_experts == a.experts + R

@@ -58,7 +58,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", type=int, default=None,
                    help="routed experts per layer (default 32; 64 with --trace esft)")
     p.add_argument("--num-redundant-experts", "--redundant", action=Setting, type=int, default=None,
-                   help="redundant slots per layer (default: one per rank)")
+                   help="redundant slots per layer (default: one per rank, rounded up so that "
+                        "experts + redundant divides by the number of ranks)")
     p.add_argument("--top-k", type=int, default=None, help="experts per token (default 4; 6 with a trace)")
     p.add_argument("--groups", type=int, default=1, help="expert groups (group-limited top-k)")
     p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
@@ -196,12 +197,19 @@ def check_model_arguments(a: argparse.Namespace) -> None:
                          f"{HF_INSTALL}")
 
 
+def default_redundant(num_experts: int, world: int) -> int:
+    """The demo's redundant slots: one per rank, rounded up so that N + R slots split
+    evenly over the ranks (32 experts on 3 ranks: 4, for 36 slots)."""
+    return world + (-(num_experts + world)) % world
+
+
 def setup(a: argparse.Namespace, world: int):
     """EPLB config, model args and workload for `world` ranks; a one-line ValueError on bad
     input. Needs no process group: `eplb demo` calls it before launching any rank."""
     from moe import MoEArgs
 
-    redundant = world if a.num_redundant_experts is None else a.num_redundant_experts
+    redundant = (default_redundant(a.experts, world) if a.num_redundant_experts is None
+                 else a.num_redundant_experts)
     config = EplbConfig(num_redundant_experts=redundant, window_size=a.window_size,
                         rebalance_interval=a.rebalance_interval, policy=a.policy,
                         async_rebalance=a.async_rebalance, min_gain=a.min_gain,
