@@ -143,8 +143,8 @@ class ForwardCounter:
     `counter.forward(record_load)` once per forward (e.g. from its first MoE layer); the
     runtime calls `step()` in every `EplbRuntime.step()`. When WARN_AFTER forwards record
     load and the runtime was never stepped, it warns once: nothing is ever rebalanced.
-    (A job that steps after each `generate()`, many forwards apart, is not warned.) `forwards` lets the runtime check that every EP rank ran
-    the same number of forwards.
+    (A job that steps after each `generate()`, many forwards apart, is not warned.)
+    `forwards` lets the runtime check that every EP rank ran the same number of forwards.
     """
 
     WARN_AFTER = 100  # forwards recording load without a runtime.step() before the warning

@@ -258,11 +258,15 @@ def dispatch(
     return x_recv[local_order], counts, counts_host, state
 
 
-def check_same_tokens(num_tokens: int, device: torch.device,
-                      group: dist.ProcessGroup | None) -> None:
+def check_same_tokens(num_tokens: int, device: torch.device, group: dist.ProcessGroup | None,
+                      checked: tuple | None = None) -> tuple:
     """"fixed" dispatch exchanges equal T*K-row blocks, so every rank must pass the same
-    T: one all-reduce (and host sync) of [T, -T]; every rank raises alike if not."""
+    T: one all-reduce (and host sync) of [T, -T]; every rank raises alike if not.
+    `checked` is the (T, group) of the last check: when it is this one, nothing is done
+    (so never inside a captured graph, whose T is the warm-up's). Returns (T, group)."""
     T = num_tokens
+    if checked == (T, group):
+        return checked
     both = torch.tensor([T, -T], dtype=torch.int64, device=device)  # [max T, -min T]
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     high, low = both.tolist()
@@ -270,6 +274,7 @@ def check_same_tokens(num_tokens: int, device: torch.device,
         raise ValueError(f"dispatch_mode: 'fixed' needs the same number of tokens on every "
                          f"EP rank (this rank {T}, min {-low}, max {high}); pad the batch "
                          f"or use 'exact'")
+    return T, group
 
 
 def _dispatch_fixed(

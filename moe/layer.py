@@ -121,9 +121,9 @@ class MoELayer(nn.Module):
             raise RuntimeError(f"{world} ranks x {S} local slots != {self.num_physical_experts} "
                                "physical experts; the runtime must resize the layer first")
         enter_forward(self)  # counts forwards, names this layer in a collective's error
-        fixed = self.dispatch_mode == "fixed" and world > 1
-        if fixed and (x.shape[0], self.group) != self._fixed_checked:
-            self._check_same_tokens(x)
+        if self.dispatch_mode == "fixed" and world > 1:
+            self._fixed_checked = check_same_tokens(x.shape[0], x.device, self.group,
+                                                    self._fixed_checked)
         topk_ids, topk_weights = self.router(x)  # [T, K], [T, K]
         physical_ids = map_to_physical(topk_ids, self.logical_to_physical_map,
                                        self.logical_replica_count,
@@ -138,13 +138,6 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
-
-    def _check_same_tokens(self, x: torch.Tensor) -> None:
-        """"fixed" dispatch needs the same T on every rank: checked (one all-reduce and
-        host sync) whenever T or the group changes, so never inside a captured graph,
-        whose T is the warm-up's; every rank raises alike."""
-        check_same_tokens(x.shape[0], x.device, self.group)
-        self._fixed_checked = (x.shape[0], self.group)
 
 
 class MoEBlock(nn.Module):

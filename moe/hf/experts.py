@@ -214,9 +214,9 @@ class ExpertParallelExperts:
             if self.record_load:
                 record_load(self.expert_load_view, physical)
             return self._expert_forward(self.module, hidden_states, physical, top_k_weights)
-        if self.dispatch_mode == "fixed" and (hidden_states.shape[0], self.group) != self._fixed_checked:
-            check_same_tokens(hidden_states.shape[0], hidden_states.device, self.group)
-            self._fixed_checked = (hidden_states.shape[0], self.group)
+        if self.dispatch_mode == "fixed":
+            self._fixed_checked = check_same_tokens(hidden_states.shape[0], hidden_states.device,
+                                                    self.group, self._fixed_checked)
         slot_counts = count_slots(physical, P)  # [P]
         if self.record_load:
             self.expert_load_view.add_(slot_counts.to(self.expert_load_view.dtype))
