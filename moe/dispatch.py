@@ -149,6 +149,52 @@ def map_to_physical(
     return logical_to_physical_map[topk_ids, replica]  # [T, K]
 
 
+SLOT_TABLE_MAX = 1 << 18  # entries of one layer's slot table (int64: 2 MiB)
+
+
+class SlotTable:
+    """`map_to_physical` of the even split as one `gather` per forward, for a layer whose
+    maps change rarely (eager decode: a step's host time is mostly kernel launches).
+
+    For the flat size n = T*K last seen it keeps `table [N, n]`, table[e, i] = the slot
+    that (token, k) position i of logical expert e goes to, i.e.
+    `logical_to_physical_map[e, hash_replica(i, logical_replica_count[e])]`; then the
+    slot of position i is `table[topk_ids[i], i]`, bitwise `map_to_physical`'s. The
+    table is rebuilt whenever the maps are rewritten: the key holds both maps' version
+    counters (every in-place write, `copy_` or index assignment, bumps them, also under
+    `torch.inference_mode`) and storage. Not used (plain `map_to_physical`, which reads
+    the maps inside the forward) with a replica cdf, under torch.compile or a CUDA-graph
+    capture (a captured table would not follow a rebalance), for maps without version
+    counters (inference tensors), or when N*n exceeds `SLOT_TABLE_MAX`.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._table: torch.Tensor | None = None  # [N, n]
+
+    def __call__(self, topk_ids: torch.Tensor,  # [T, K] logical expert ids
+                 logical_to_physical_map: torch.Tensor,  # [N, R]
+                 logical_replica_count: torch.Tensor,  # [N]
+                 logical_replica_cdf: torch.Tensor | None = None,  # [N, R] or None
+                 ) -> torch.Tensor:  # [T, K] physical slot ids
+        T, K = topk_ids.shape
+        l2p, count = logical_to_physical_map, logical_replica_count
+        n = T * K
+        if (logical_replica_cdf is not None or l2p.shape[0] * n > SLOT_TABLE_MAX
+                or topk_ids.dtype != torch.int64 or torch.compiler.is_compiling()
+                or (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing())):
+            return map_to_physical(topk_ids, l2p, count, logical_replica_cdf)
+        try:
+            key = (n, l2p.data_ptr(), l2p._version, count.data_ptr(), count._version)
+        except RuntimeError:  # inference tensors keep no version counter
+            return map_to_physical(topk_ids, l2p, count)
+        if key != self._key:
+            rows = _constant("replica", n, l2p.device, l2p.shape[-1] + 1)  # [R + 1, n]
+            self._table = l2p.gather(1, rows[count.long()])  # [N, n]
+            self._key = key
+        return self._table.gather(0, topk_ids.reshape(1, n)).view(T, K)  # [T, K]
+
+
 def count_slots(physical_ids: torch.Tensor, num_slots: int) -> torch.Tensor:  # [P] int64
     """Tokens per physical slot: histogram of `physical_ids [T, K]` over `num_slots` (P)
     slots, one `scatter_add_` on the device (no host sync, unlike `torch.bincount`)."""

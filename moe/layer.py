@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .args import MoEArgs
-from .dispatch import (check_same_tokens, combine, count_slots, dispatch, map_to_physical,
+from .dispatch import (SlotTable, check_same_tokens, combine, count_slots, dispatch,
                        weighted_sum)
 from .ep_guard import enter_forward
 from .experts import GroupedExperts, SharedExperts
@@ -75,6 +75,7 @@ class MoELayer(nn.Module):
         self.logical_to_physical_map: torch.Tensor | None = None  # [N, R]
         self.logical_replica_count: torch.Tensor | None = None  # [N]
         self.logical_replica_cdf: torch.Tensor | None = None  # [N, R] float32, None = even
+        self._slots = SlotTable()  # map_to_physical as one gather while the maps stand
 
     # ---- MoELayerProtocol --------------------------------------------------------
     def get_expert_weights(self) -> Sequence[torch.Tensor]:
@@ -125,9 +126,8 @@ class MoELayer(nn.Module):
             self._fixed_checked = check_same_tokens(x.shape[0], x.device, self.group,
                                                     self._fixed_checked)
         topk_ids, topk_weights = self.router(x)  # [T, K], [T, K]
-        physical_ids = map_to_physical(topk_ids, self.logical_to_physical_map,
-                                       self.logical_replica_count,
-                                       self.logical_replica_cdf)  # [T, K]
+        physical_ids = self._slots(topk_ids, self.logical_to_physical_map,
+                                   self.logical_replica_count, self.logical_replica_cdf)  # [T, K]
         slot_counts = count_slots(physical_ids, self.num_physical_experts)  # [P]
         if self.record_load:
             self.expert_load_view.add_(slot_counts.to(self.expert_load_view.dtype))

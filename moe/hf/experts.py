@@ -24,8 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dispatch import (check_same_tokens, combine, count_slots, dispatch, map_to_physical,
-                        record_load)
+from ..dispatch import SlotTable, check_same_tokens, combine, count_slots, dispatch, record_load
 from ..ep_guard import enter_forward
 from ..state import check_replica_cdf, check_state_rows
 from .grouped import SortedExperts, _slot_of_rows, sorted_rows_apply
@@ -137,6 +136,7 @@ class ExpertParallelExperts:
         self.dispatch_mode = "exact"  # W > 1: "exact" | "fixed" (moe.dispatch)
         self._fixed_checked: tuple | None = None  # "fixed": (T, group) checked equal on all ranks
         self._world_of: tuple | None = None  # (group, W) cached by _world()
+        self._slots = SlotTable()  # map_to_physical as one gather while the maps stand
         self._expert_forward = type(module).forward  # the model's own expert math
         # transformers' grouped_mm experts: run on our sorted rows, no second sort
         self._sorted = SortedExperts(module, name) if sorted_rows_apply(module) else None
@@ -204,8 +204,8 @@ class ExpertParallelExperts:
         if W * S != P:
             raise RuntimeError(f"{self.name}: {W} ranks x {S} local slots != {P} slots")
         enter_forward(self)  # counts forwards, names this layer in a collective's error
-        physical = map_to_physical(top_k_index, self.logical_to_physical_map,
-                                   self.logical_replica_count, self.logical_replica_cdf)  # [T, K]
+        physical = self._slots(top_k_index, self.logical_to_physical_map,
+                               self.logical_replica_count, self.logical_replica_cdf)  # [T, K]
         if W == 1:
             # nothing to exchange: the module's own forward on the slot ids (its
             # num_experts is S = P), so the rows are sorted once, by its own sort, and
