@@ -9,7 +9,8 @@ Per round (the two models alternate which goes first):
   prefill  `--batch` x `--seq` tokens, `logits_to_keep=1`, median of `--reps` after
            `--warmup`; the wrapped model also runs `runtime.step()` after each forward
   decode   eager `generate()` of `--decode-new` greedy tokens after a `--decode-prompt`
-           prompt, batch `--batch`, median of `--decode-reps`
+           prompt, batch `--batch`, median of `--decode-reps`; the two models alternate
+           call by call (a host-bound decode drifts with the host over seconds)
   graphs   (cuda, unless --no-graphs) the same decode with transformers' static cache,
            which compiles the decode step (torch.compile, CUDA graphs)
 The figure of each kind is the median over rounds of (wrapped / original) tokens/s.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import gc
 import json
 import sys
 import time
@@ -111,6 +113,27 @@ def decode_ms(model, prompt, new: int, reps: int, static: bool) -> list[float]:
         sync(prompt.device)
         if i:
             out.append(1e3 * (time.perf_counter() - t0))
+    return out
+
+
+def paired_decode_ms(models, prompt, new: int, reps: int, static: bool,
+                     flip: bool) -> dict[str, list[float]]:
+    """Wall ms of `reps` generate() calls of each of `models` ({name: model}, after one
+    untimed each), the models alternating call by call (order reversed every rep, and
+    by `flip`), so that the host's drift over seconds, which dominates a host-bound
+    decode, hits both alike; garbage is collected before each timed call."""
+    names = list(models)
+    for name in names:
+        generate(models[name], prompt, new, static)
+    out = {name: [] for name in names}
+    for i in range(reps):
+        for name in (names if (i % 2 == 0) != flip else names[::-1]):
+            gc.collect()
+            sync(prompt.device)
+            t0 = time.perf_counter()
+            generate(models[name], prompt, new, static)
+            sync(prompt.device)
+            out[name].append(1e3 * (time.perf_counter() - t0))
     return out
 
 
@@ -230,11 +253,13 @@ def main(argv=None) -> int:
             order = [("original", ref, None), ("wrapped", ep, runtime.step)]
             for name, model, after in (order if r % 2 == 0 else order[::-1]):
                 ms = prefill_ms(model, batches, m.warmup, after)
-                dms = decode_ms(model, dprompt, m.decode_new, m.decode_reps, False)
                 one[name] = {"prefill_tok_s": m.batch * m.seq / (np.median(ms) / 1e3),
-                             "prefill_ms": ms,
-                             "decode_tok_s": m.batch * m.decode_new / (np.median(dms) / 1e3),
-                             "decode_ms": dms}
+                             "prefill_ms": ms}
+            dms = paired_decode_ms({"original": ref, "wrapped": ep}, dprompt, m.decode_new,
+                                   m.decode_reps, False, flip=r % 2 == 1)
+            for name, ms in dms.items():
+                one[name] |= {"decode_tok_s": m.batch * m.decode_new / (np.median(ms) / 1e3),
+                              "decode_ms": ms}
             for k in kinds:
                 one[f"{k}_ratio"] = one["wrapped"][f"{k}_tok_s"] / one["original"][f"{k}_tok_s"]
             rounds.append(one)
