@@ -7,6 +7,8 @@ Steps, all tensor ops on the tokens' device:
    an expert's replicas deterministically (no RNG state, same answer on every call).
    Evenly by default; with a registered `logical_replica_cdf` row (weighted replicas)
    the hash, scaled to u in [0, 1), picks the first replica whose cdf exceeds u.
+   `SlotTable` gives the even split's answer in one gather from a per-layer table, kept
+   while the maps stand (the layers use it in eager mode).
 2. `count_slots`: the per-slot histogram `[P]` of the (token, k) choices, one
    `scatter_add_`. Dispatch needs it anyway (split sizes, expert group offsets); load
    recording is one `add_` of it into the layer's `expert_load_view [P]` row, so counting
