@@ -9,12 +9,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .args import MoEArgs
-from .dispatch import (SlotTable, check_same_tokens, combine, count_slots, dispatch,
-                       weighted_sum)
-from .ep_guard import enter_forward
+from .dispatch import combine, count_slots, dispatch, weighted_sum
 from .experts import GroupedExperts, SharedExperts
 from .router import Router
-from .state import check_replica_cdf, check_state_rows
+from .state import EplbLayerState
 from .weights import norm_weight_for
 
 
@@ -33,18 +31,12 @@ class RMSNorm(nn.Module):
         return normed.to(x.dtype) * self.weight
 
 
-class MoELayer(nn.Module):
+class MoELayer(EplbLayerState, nn.Module):
     """Routed experts over expert parallelism plus the shared experts.
 
     Holds S = num_local_physical_experts slots (`experts.w13 [S, 2I, H]`,
     `experts.w2 [S, H, I]`); slot p of the layer lives on EP rank p // S. Routing state
-    comes from the runtime through `set_eplb_state` as row views:
-    `expert_load_view [P]`, `logical_to_physical_map [N, R]`, `logical_replica_count [N]`.
-    The layer only ever reads the maps and adds into the load view, so the runtime may
-    rewrite all three (and the expert weights) in place between forwards.
-    Weighted replicas (optional, `set_eplb_replica_weights`): a row view
-    `logical_replica_cdf [N, R]` makes the replica choice follow the replica shares;
-    without one, tokens split evenly over an expert's replicas.
+    (row views of the runtime's tensors, weighted replicas) is `moe.state.EplbLayerState`.
 
     Load recording adds the per-slot histogram dispatch needs anyway into the load view
     (one [P] add, no host sync). With no EP group, or with `dispatch_mode="fixed"` once a
@@ -58,81 +50,39 @@ class MoELayer(nn.Module):
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.layer_idx = layer
-        self.group = group
-        self.num_logical_experts = args.num_experts
-        self.num_local_physical_experts = num_local_slots
-        self.num_physical_experts = args.num_physical_experts
         self.router = Router(args, layer, device)
         self.experts = GroupedExperts(num_local_slots, args.hidden_size, args.intermediate_size,
                                       args.dtype, device)
         self.shared_experts = (SharedExperts(args, layer, device)
                                if args.num_shared_experts > 0 else None)
-        self.record_load = True  # False: route without counting (warm-up, dummy batches)
-        self.dispatch_mode = args.dispatch_mode  # "exact" | "fixed" (moe.dispatch)
-        self._fixed_checked: tuple | None = None  # "fixed": (T, group) checked equal on all ranks
-        self.moe_layer_idx: int | None = None
-        self.expert_load_view: torch.Tensor | None = None  # [P]
-        self.logical_to_physical_map: torch.Tensor | None = None  # [N, R]
-        self.logical_replica_count: torch.Tensor | None = None  # [N]
-        self.logical_replica_cdf: torch.Tensor | None = None  # [N, R] float32, None = even
-        self._slots = SlotTable()  # map_to_physical as one gather while the maps stand
+        self.init_eplb_state(f"MoE layer {layer}", args.num_experts, args.num_physical_experts,
+                             num_local_slots, group, args.dispatch_mode)
 
-    # ---- MoELayerProtocol --------------------------------------------------------
+    # ---- EplbLayerState ----------------------------------------------------------
     def get_expert_weights(self) -> Sequence[torch.Tensor]:
         """[w13 [S, 2I, H], w2 [S, H, I]]: the parameters themselves (same storage)."""
         return [self.experts.w13, self.experts.w2]
 
-    def set_eplb_state(self, moe_layer_idx: int, expert_load_view: torch.Tensor,
-                       logical_to_physical_map: torch.Tensor,
-                       logical_replica_count: torch.Tensor) -> None:
-        """Keep row `moe_layer_idx` of the runtime's [L, P], [L, N, R] and [L, N] tensors.
-        Drops any registered replica weights: they belong to the maps they came with."""
-        check_state_rows(moe_layer_idx, expert_load_view, logical_to_physical_map,
-                         logical_replica_count, self.num_physical_experts,
-                         self.num_logical_experts, self.experts.w13.device,
-                         f"MoE layer {self.layer_idx}")
-        self.moe_layer_idx = moe_layer_idx
-        self.expert_load_view = expert_load_view[moe_layer_idx]
-        self.logical_to_physical_map = logical_to_physical_map[moe_layer_idx]
-        self.logical_replica_count = logical_replica_count[moe_layer_idx]
-        self.logical_replica_cdf = None
-
-    def set_eplb_replica_weights(self, moe_layer_idx: int,
-                                 logical_replica_cdf: torch.Tensor | None) -> None:
-        """Keep row `moe_layer_idx` of the runtime's `logical_replica_cdf [L, N, R]`
-        (float, R as the registered `logical_to_physical_map`); None: split evenly again."""
-        if logical_replica_cdf is None:
-            self.logical_replica_cdf = None
-            return
-        if self.logical_to_physical_map is None or moe_layer_idx != self.moe_layer_idx:
-            raise RuntimeError("MoELayer: call set_eplb_state before set_eplb_replica_weights "
-                               "(with the same moe_layer_idx)")
-        check_replica_cdf(moe_layer_idx, logical_replica_cdf, self.num_logical_experts,
-                          self.logical_to_physical_map.shape[-1], self.experts.w13.device)
-        self.logical_replica_cdf = logical_replica_cdf[moe_layer_idx]
+    def replace_slots(self, num_local_slots: int) -> None:
+        """Fresh zero `w13 [S, 2I, H]`, `w2 [S, H, I]` for S = num_local_slots."""
+        e = self.experts
+        e.w13 = nn.Parameter(e.w13.new_zeros((num_local_slots, *e.w13.shape[1:])),
+                             requires_grad=False)
+        e.w2 = nn.Parameter(e.w2.new_zeros((num_local_slots, *e.w2.shape[1:])),
+                            requires_grad=False)
 
     # ---- forward -----------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] (already normed) -> routed + shared expert output [T, H]."""
-        if self.logical_to_physical_map is None:
-            raise RuntimeError("MoELayer: set_eplb_state was never called")
-        S = self.num_local_physical_experts
-        world = dist.get_world_size(self.group) if self.group is not None else 1
-        if world * S != self.num_physical_experts:
-            raise RuntimeError(f"{world} ranks x {S} local slots != {self.num_physical_experts} "
-                               "physical experts; the runtime must resize the layer first")
-        enter_forward(self)  # counts forwards, names this layer in a collective's error
-        if self.dispatch_mode == "fixed" and world > 1:
-            self._fixed_checked = check_same_tokens(x.shape[0], x.device, self.group,
-                                                    self._fixed_checked)
+        self.begin_forward(x.shape[0], x.device)
         topk_ids, topk_weights = self.router(x)  # [T, K], [T, K]
-        physical_ids = self._slots(topk_ids, self.logical_to_physical_map,
-                                   self.logical_replica_count, self.logical_replica_cdf)  # [T, K]
+        physical_ids = self.route(topk_ids)  # [T, K]
         slot_counts = count_slots(physical_ids, self.num_physical_experts)  # [P]
         if self.record_load:
             self.expert_load_view.add_(slot_counts.to(self.expert_load_view.dtype))
-        x_local, counts, counts_host, state = dispatch(x, physical_ids, S, self.group,
-                                                       slot_counts, self.dispatch_mode)
+        x_local, counts, counts_host, state = dispatch(x, physical_ids,
+                                                       self.num_local_physical_experts,
+                                                       self.group, slot_counts, self.dispatch_mode)
         y_local = self.experts(x_local, counts, counts_host)  # [T_r, H]
         out = weighted_sum(combine(y_local, state, self.group), topk_weights)  # [T, H]
         if self.shared_experts is not None:

@@ -24,9 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..dispatch import SlotTable, check_same_tokens, combine, count_slots, dispatch, record_load
-from ..ep_guard import enter_forward
-from ..state import check_replica_cdf, check_state_rows
+from ..dispatch import combine, count_slots, dispatch, record_load
+from ..state import EplbLayerState
 from .grouped import SortedExperts, _slot_of_rows, sorted_rows_apply
 
 LOCAL_EXPERTS_ATTR = "_eplb_local_experts"  # set on a module whose slots are already cut:
@@ -106,43 +105,26 @@ def keep_local_slots(module: nn.Module, names: Sequence[str], experts: Sequence[
     module.num_experts = len(experts)
 
 
-class ExpertParallelExperts:
+class ExpertParallelExperts(EplbLayerState):
     """The runtime's view of one MoE layer (`eplb.protocol.MoELayerProtocol`) and the
     expert-parallel forward installed on the transformers `*Experts` module.
 
     `module`'s stacked tensors hold S = num_local_physical_experts slots; slot p of the
-    layer lives on rank p // S of `group`. Routing state is row views of the runtime's
-    tensors (`set_eplb_state`): `expert_load_view [P]`, `logical_to_physical_map [N, R]`,
-    `logical_replica_count [N]` and optionally `logical_replica_cdf [N, R]`; the layer
-    only reads the maps and adds into the load view, so the runtime may rewrite them, and
-    the stacked tensors, in place between forwards.
+    layer lives on rank p // S of `group`. Routing state (row views of the runtime's
+    tensors, weighted replicas) is `moe.state.EplbLayerState`.
     """
 
     def __init__(self, name: str, module: nn.Module, names: Sequence[str], num_experts: int,
                  num_slots: int, group: dist.ProcessGroup | None) -> None:
-        self.name = name
         self.module = module
         self.names = list(names)
-        self.num_logical_experts = num_experts  # N
-        self.num_physical_experts = num_slots  # P
-        self.num_local_physical_experts = module.num_experts  # S
-        self.group = group
-        self.record_load = True  # False: route without counting (warm-up batches)
-        self.moe_layer_idx: int | None = None
-        self.expert_load_view: torch.Tensor | None = None  # [P]
-        self.logical_to_physical_map: torch.Tensor | None = None  # [N, R]
-        self.logical_replica_count: torch.Tensor | None = None  # [N]
-        self.logical_replica_cdf: torch.Tensor | None = None  # [N, R] float32, None = even
-        self.dispatch_mode = "exact"  # W > 1: "exact" | "fixed" (moe.dispatch)
-        self._fixed_checked: tuple | None = None  # "fixed": (T, group) checked equal on all ranks
-        self._world_of: tuple | None = None  # (group, W) cached by _world()
-        self._slots = SlotTable()  # map_to_physical as one gather while the maps stand
+        self.init_eplb_state(name, num_experts, num_slots, module.num_experts, group)
         self._expert_forward = type(module).forward  # the model's own expert math
         # transformers' grouped_mm experts: run on our sorted rows, no second sort
         self._sorted = SortedExperts(module, name) if sorted_rows_apply(module) else None
         module.forward = self.forward  # the module now dispatches over expert parallelism
 
-    # ---- MoELayerProtocol --------------------------------------------------------
+    # ---- EplbLayerState ----------------------------------------------------------
     def get_expert_weights(self) -> list[torch.Tensor]:
         """The module's stacked tensors, each [S, ...] (the parameters themselves)."""
         tensors = dict(self.module.named_parameters(recurse=False))
@@ -150,42 +132,19 @@ class ExpertParallelExperts:
         return [tensors[n].data if isinstance(tensors[n], nn.Parameter) else tensors[n]
                 for n in self.names]
 
-    def set_eplb_state(self, moe_layer_idx: int, expert_load_view: torch.Tensor,
-                       logical_to_physical_map: torch.Tensor,
-                       logical_replica_count: torch.Tensor) -> None:
-        """Keep row `moe_layer_idx` of the runtime's [L, P], [L, N, R] and [L, N] tensors
-        (views, not copies). Drops registered replica weights."""
-        check_state_rows(moe_layer_idx, expert_load_view, logical_to_physical_map,
-                         logical_replica_count, self.num_physical_experts,
-                         self.num_logical_experts, self.get_expert_weights()[0].device,
-                         self.name)
-        self.moe_layer_idx = moe_layer_idx
-        self.expert_load_view = expert_load_view[moe_layer_idx]
-        self.logical_to_physical_map = logical_to_physical_map[moe_layer_idx]
-        self.logical_replica_count = logical_replica_count[moe_layer_idx]
-        self.logical_replica_cdf = None
-
-    def set_eplb_replica_weights(self, moe_layer_idx: int,
-                                 logical_replica_cdf: torch.Tensor | None) -> None:
-        """Keep row `moe_layer_idx` of `logical_replica_cdf [L, N, R]`; None: even split."""
-        if logical_replica_cdf is None:
-            self.logical_replica_cdf = None
-            return
-        if self.logical_to_physical_map is None or moe_layer_idx != self.moe_layer_idx:
-            raise RuntimeError(f"{self.name}: call set_eplb_state before set_eplb_replica_weights")
-        check_replica_cdf(moe_layer_idx, logical_replica_cdf, self.num_logical_experts,
-                          self.logical_to_physical_map.shape[-1],
-                          self.logical_to_physical_map.device)
-        self.logical_replica_cdf = logical_replica_cdf[moe_layer_idx]
+    def replace_slots(self, num_local_slots: int) -> None:
+        """Fresh zero [S, ...] stacked tensors, S = num_local_slots (the module's
+        `num_experts` follows, so its own forward indexes S slots)."""
+        module = self.module
+        for n, t in zip(self.names, self.get_expert_weights()):
+            fresh = t.new_zeros((num_local_slots, *t.shape[1:]))
+            if n in module._parameters:
+                module._parameters[n] = nn.Parameter(fresh, requires_grad=False)
+            else:
+                module._buffers[n] = fresh
+        module.num_experts = num_local_slots
 
     # ---- forward -----------------------------------------------------------------
-    def _world(self) -> int:
-        """W, the size of `group` (cached per group object: no call per forward)."""
-        if self._world_of is None or self._world_of[0] is not self.group:
-            W = dist.get_world_size(self.group) if self.group is not None else 1
-            self._world_of = (self.group, W)
-        return self._world_of[1]
-
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """hidden_states [T, H], top_k_index [T, K] logical ids, top_k_weights [T, K]
@@ -197,15 +156,8 @@ class ExpertParallelExperts:
         "fixed": none), the experts on the received rows, already sorted by local slot
         (`SortedExperts`: no second sort), `combine`.
         """
-        if self.logical_to_physical_map is None:
-            raise RuntimeError(f"{self.name}: set_eplb_state was never called")
-        S, P = self.num_local_physical_experts, self.num_physical_experts
-        W = self._world()
-        if W * S != P:
-            raise RuntimeError(f"{self.name}: {W} ranks x {S} local slots != {P} slots")
-        enter_forward(self)  # counts forwards, names this layer in a collective's error
-        physical = self._slots(top_k_index, self.logical_to_physical_map,
-                               self.logical_replica_count, self.logical_replica_cdf)  # [T, K]
+        W = self.begin_forward(hidden_states.shape[0], hidden_states.device)
+        physical = self.route(top_k_index)  # [T, K]
         if W == 1:
             # nothing to exchange: the module's own forward on the slot ids (its
             # num_experts is S = P), so the rows are sorted once, by its own sort, and
@@ -214,9 +166,7 @@ class ExpertParallelExperts:
             if self.record_load:
                 record_load(self.expert_load_view, physical)
             return self._expert_forward(self.module, hidden_states, physical, top_k_weights)
-        if self.dispatch_mode == "fixed":
-            self._fixed_checked = check_same_tokens(hidden_states.shape[0], hidden_states.device,
-                                                    self.group, self._fixed_checked)
+        S, P = self.num_local_physical_experts, self.num_physical_experts
         slot_counts = count_slots(physical, P)  # [P]
         if self.record_load:
             self.expert_load_view.add_(slot_counts.to(self.expert_load_view.dtype))

@@ -23,7 +23,6 @@ import threading
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 try:  # installed with transformers (the `hf` extra)
     from safetensors import safe_open
