@@ -1,7 +1,7 @@
 """Faults injected through objects the runtime is given, never by patching modules.
 
 * `FaultyTransport(real, rank, faults)`: wraps a real transport (from
-  `eplb.runtime.transports.make_transport`) and is passed as
+  `eplb.runtime.transport_choice.make_transport`) and is passed as
   `EplbRuntime(..., transport=FaultyTransport(...))`. The mover calls its `exchange`
   (fills staging rows, only reads weights) and, where the runtime supports it, its
   `write` (writes the changed slots of a layer from staging). Each `Fault` fires at one
@@ -165,7 +165,7 @@ class FaultyTransport:
 
 def p2p_transport(faults: Sequence[Fault] = (), rank: int = 0) -> FaultyTransport:
     """A FaultyTransport around the point-to-point transport ("nccl": gloo on CPU)."""
-    from eplb.runtime.transports import make_transport
+    from eplb.runtime.transport_choice import make_transport
 
     return FaultyTransport(make_transport("nccl"), rank, faults)
 

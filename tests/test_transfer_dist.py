@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from _dist import device_for, run_distributed
 from eplb.core.placement import Placement
+from eplb.runtime.executor import TransferExecutor
 from eplb.runtime.transfer import (
-    TransferExecutor,
     allocate_staging,
     execute_layer_transfer,
     plan_layer_transfer,

@@ -22,11 +22,11 @@ from test_transfer_dist import (
     transitions,
 )
 
+from eplb.runtime.executor import TransferExecutor
 from eplb.runtime.transfer import (
     AUTO_PREFERS_IPC,
     IpcTransport,
     P2PTransport,
-    TransferExecutor,
     allocate_staging,
     exchange_layer,
     execute_layer_transfer,

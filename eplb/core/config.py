@@ -86,7 +86,7 @@ class EplbConfig:
     backend, coalesced per peer in messages of up to 1 GiB; gloo on CPU), "ipc" (CUDA IPC
     straight from the peers' slots, all ranks on one host; synchronous rebalances move each
     layer in place; keeps a hold buffer of one layer of local experts per GPU) or "auto" (IPC where it
-    can work, else "nccl"; see `eplb.runtime.transfer.make_transport`). benchmarks/README.md has
+    can work, else "nccl"; see `eplb.runtime.transport_choice.make_transport`). benchmarks/README.md has
     the bandwidth of each."""
     exchange_launch: str = "auto"
     """Asynchronous mode: where each layer's weight exchange is launched. "step": from

@@ -6,8 +6,8 @@ copies the experts it needs straight from the peers' slots into its staging buff
 still reads go into a hold buffer first, then each sender writes straight into the
 receivers' slots, so each byte crosses NVLink once and is written once. "Slots settled"
 tokens travel over a gloo group, so a background exchange launches no NCCL kernel.
-Split from eplb/runtime/transports.py (the shared helpers and the point-to-point
-transport) to keep each module readable; `make_transport` there picks between them.
+Built on eplb/runtime/transports.py (the shared helpers and the point-to-point
+transport); `eplb.runtime.transport_choice.make_transport` picks between the two.
 """
 from __future__ import annotations
 

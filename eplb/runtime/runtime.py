@@ -38,7 +38,7 @@ from eplb.runtime.placement_change import EplbFatalError, MoveOptions, Placement
 from eplb.runtime.plan_broadcast import Rank0Planner
 from eplb.runtime.recorder import LoadRecorder
 from eplb.runtime.registration import check_registration, expert_weights_problem
-from eplb.runtime.transports import make_transport
+from eplb.runtime.transport_choice import make_transport
 
 log = logging.getLogger("eplb.runtime")
 

@@ -4,10 +4,10 @@ IPC transport, straight into the slots). `eplb.runtime.transfer` drives them.
 * `P2PTransport`: torch.distributed point-to-point, NCCL or gloo; per peer and tensor one
   stream of experts cut into `chunk_bytes` messages, sent straight from contiguous slot
   runs or packed into a bounded, double-buffered pack buffer;
-* `IpcTransport` (eplb/runtime/ipc.py, re-exported here): same host, CUDA; peers' tensors
-  mapped once; the receiver copies from the peers' slots, and `move` does a synchronous
-  layer in place through a hold buffer;
-* `make_transport("auto")` picks.
+* `IpcTransport` (eplb/runtime/ipc.py, built on the helpers here): same host, CUDA;
+  peers' tensors mapped once; the receiver copies from the peers' slots, and `move` does
+  a synchronous layer in place through a hold buffer;
+* `eplb.runtime.transport_choice.make_transport("auto")` picks between them.
 
 Ranks here are *group-relative*; `global_rank` maps them for torch.distributed.
 """
@@ -18,16 +18,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from eplb.core.config import TRANSPORTS
 from eplb.core.transfer_plan import LayerTransferPlan
 
 __all__ = [
-    "AUTO_PREFERS_IPC",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_HOLD_CHUNK_BYTES",
-    "IpcTransport",
     "P2PTransport",
-    "TRANSPORTS",
     "allocate_staging",
     "check_staging",
     "check_weights",
@@ -37,8 +33,6 @@ __all__ = [
     "peer_blocks",
     "send_lists",
     "stage_local",
-    "make_transport",
-    "resolve_transport",
     "staging_rows",
     "weights_key",
 ]
@@ -56,14 +50,6 @@ DEFAULT_HOLD_CHUNK_BYTES = 2 << 30
 holds the next chunk. Chosen by measurement on 2 x H200 (benchmarks/README.md, one layer
 of DeepSeek-V3 experts swapped): 0.66 / 0.85 / 0.91 / 0.78 of the raw peer copy with
 128 MiB / 512 MiB / 2 GiB / 16 GiB (one chunk: no overlap) chunks."""
-
-AUTO_PREFERS_IPC = True
-"""`make_transport("auto")` picks CUDA IPC when every rank is on one host with CUDA weights
-and an NCCL group (measured faster there on 2 x H200, one DeepSeek-V3 layer: exchange 0.93
-vs 0.89 of the raw peer copy for a whole-layer swap, 0.86 vs 0.79 for a 25% change; a
-synchronous move in place 0.90 against 0.75 for NCCL's exchange and write); otherwise
-NCCL (or gloo) point-to-point."""
-
 
 def staging_rows(plan: LayerTransferPlan) -> int:
     """Staging rows `exchange_layer` needs for `plan` (`plan.num_staged`, at most S)."""
@@ -346,59 +332,3 @@ def device_uuid(device: torch.device) -> str:
 
 def weights_key(weights: Sequence[torch.Tensor]) -> tuple:
     return tuple((w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype) for w in weights)
-
-
-def make_transport(kind: str = "auto", expert_weights: Sequence[Sequence[torch.Tensor]] | None = None,
-                   group=None, *, chunk_bytes: int | None = None, timeout: float | None = None,
-                   cpu_group=None):
-    """A transport for `exchange_layer(..., transport=...)`.
-
-    `kind`: "nccl" (point-to-point over the group's backend: NCCL on GPUs, gloo on CPU,
-    `P2PTransport(chunk_bytes)`), "ipc" (`IpcTransport`, raises where it cannot work) or
-    "auto" (IPC when every rank is on one host with CUDA weights and an NCCL group and
-    `AUTO_PREFERS_IPC`, else "nccl"). "ipc" and "auto" are collective over `group`
-    (call on every rank, once, with every layer's weights: the weights are registered).
-    `timeout`: seconds the IPC transport's CPU tokens may wait for a peer (None: the default
-    of torch.distributed). `cpu_group`: the gloo group (same ranks as `group`) the IPC
-    transport sends its tokens on (None: it makes one, collective over `group`).
-    """
-    if kind not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {kind!r}")
-    p2p = P2PTransport(DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes)
-    if kind == "nccl":
-        return p2p
-    if expert_weights is None:
-        raise ValueError(f"expert_weights is required for transport {kind!r}")
-    import torch.distributed as dist
-
-    if kind == "auto":
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
-            return p2p
-        mine = AUTO_PREFERS_IPC and dist.get_backend(group) == "nccl" and all(
-            w.device.type == "cuda" for ws in expert_weights for w in ws)
-        votes: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(votes, bool(mine), group=group)
-        if not all(votes):
-            return p2p
-        try:
-            return IpcTransport(expert_weights, group, timeout, cpu_group=cpu_group)
-        except RuntimeError as e:  # raised on every rank alike
-            import logging
-
-            logging.getLogger("eplb.runtime.transfer").info("auto transport: NCCL (%s)", e)
-            return p2p
-    return IpcTransport(expert_weights, group, timeout, cpu_group=cpu_group)
-
-
-def resolve_transport(transport):
-    if transport is None or transport == "nccl":
-        return P2PTransport()
-    if isinstance(transport, str):
-        raise ValueError(f"transport {transport!r} needs set-up: pass the object from "
-                         f"make_transport({transport!r}, expert_weights, group) (collective)")
-    if not (hasattr(transport, "exchange") and hasattr(transport, "settle")):
-        raise ValueError(f"transport must be None, 'nccl' or a transport object, got {transport!r}")
-    return transport
-
-
-from eplb.runtime.ipc import IpcTransport  # noqa: E402 - ipc.py builds on the helpers above
