@@ -193,7 +193,7 @@ def _setting_actions():
 
 
 def test_setting_flags_are_the_config_field_names():
-    from eplb.ops.cli import Setting
+    from eplb.ops.settings_args import Setting
 
     fields = _config_fields()
     exposed = set()
@@ -269,7 +269,8 @@ def test_simulate_settings_reach_the_simulator(capsys, monkeypatch, tmp_path):
 
 
 def test_old_spellings_still_parse_with_one_warning(capsys, monkeypatch):
-    from eplb.ops.cli import build_parser, canonical_argv
+    from eplb.ops.cli import build_parser
+    from eplb.ops.settings_args import canonical_argv
     from eplb.ops.demo import build_parser as demo_parser
 
     monkeypatch.delenv("RANK", raising=False)

@@ -86,7 +86,7 @@ def test_transport_and_launch_values_match_the_runtime():
     import ast
 
     from eplb.runtime.placement_change import LAUNCH_MODES
-    from eplb.runtime.transports import TRANSPORTS
+    from eplb.runtime.transport_choice import TRANSPORTS
 
     for field, values in (("transport", TRANSPORTS), ("exchange_launch", LAUNCH_MODES)):
         for v in values:
@@ -134,7 +134,7 @@ def test_settings_table_matches_the_config_the_parsers_and_the_metrics():
 
     from eplb.ops.metrics import EplbMetrics
     from eplb.runtime.placement_change import LAUNCH_MODES
-    from eplb.runtime.transports import TRANSPORTS
+    from eplb.runtime.transport_choice import TRANSPORTS
     from test_metrics import make_runtime, skewed_pass, step_with
 
     rows = _settings_table()

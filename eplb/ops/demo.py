@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from eplb.core.config import EplbConfig
 from eplb.core.placement import Placement, balancedness_of_gpu_loads
-from eplb.ops.cli import Setting, SettingsParser
+from eplb.ops.settings_args import Setting, SettingsParser
 from eplb.ops.progress import ProgressBar
 from eplb.runtime import EplbFatalError, EplbRuntime
 from eplb.core.config import LAUNCH_MODES, TRANSPORTS
