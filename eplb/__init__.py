@@ -4,15 +4,12 @@ Three layers: `eplb.core` (pure planning), `eplb.runtime` (the distributed runti
 `eplb.ops` (CLI, HTTP, metrics, demos); `eplb.protocol` is the model's side of the
 contract. docs/architecture.md draws the picture.
 """
-from eplb import _compat
 from eplb.core.config import EplbConfig
 from eplb.core.placement import Placement
 from eplb.core.planning import plan
 from eplb.core.policy import available_policies, register_policy
 from eplb.protocol import MixtureOfExperts, MoELayerProtocol
 from eplb.runtime import EplbFatalError, EplbRuntime, RebalanceError, RebalanceEvent
-
-_compat.install()
 
 __version__ = "0.1.0"
 __all__ = ["EplbConfig", "EplbFatalError", "EplbRuntime", "MixtureOfExperts", "MoELayerProtocol", "Placement",

@@ -173,7 +173,7 @@ def p2p_transport(faults: Sequence[Fault] = (), rank: int = 0) -> FaultyTranspor
 def every_rank_moves(old_p2l: np.ndarray, new_p2l: np.ndarray, num_ranks: int) -> bool:
     """Every rank has a non-empty transfer plan in every layer of old -> new (so every
     rank calls its transport once per layer, and call counts mean the same layer)."""
-    from eplb.runtime.transfer import plan_layer_transfer
+    from eplb.core.transfer_plan import plan_layer_transfer
 
     return all(not plan_layer_transfer(o, n, num_ranks, r).is_noop
                for o, n in zip(old_p2l, new_p2l) for r in range(num_ranks))

@@ -1,14 +1,10 @@
 """The package layout shows the architecture, and stays that way (issue 15): imports only
 go down (core <- runtime <- ops), every sub-package says what it is, long modules say why,
-no module reads torch's private state, and the old flat module paths still import."""
+and no module reads torch's private state."""
 from __future__ import annotations
 
 import ast
-import importlib
 import pathlib
-import subprocess
-import sys
-import warnings
 
 import pytest
 
@@ -70,22 +66,3 @@ def test_no_private_torch_distributed_state():
     bad = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
            if any(s in p.read_text() for s in ("distributed_c10d", "_world.", "pg_names"))]
     assert not bad, f"modules reading torch's private distributed state: {bad}"
-
-
-@pytest.mark.parametrize("old,new", [("eplb.transfer", "eplb.runtime.transfer"),
-                                     ("eplb.server", "eplb.ops.server"),
-                                     ("eplb.placement", "eplb.core.placement"),
-                                     ("eplb.policy.deepseek", "eplb.core.policy.deepseek")])
-def test_old_module_paths_import_the_same_module_with_a_warning(old, new):
-    sys.modules.pop(old, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        mod = importlib.import_module(old)
-    assert mod is importlib.import_module(new)
-    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught)
-
-
-def test_old_python_m_path_still_runs():
-    out = subprocess.run([sys.executable, "-m", "eplb.demo", "--help"], capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0 and "usage" in out.stdout

@@ -165,7 +165,7 @@ def test_load_gzip_for_clients_that_ask(monkeypatch):
     import gzip
 
     import eplb.ops.server
-    from eplb.ops.server import fetch_load
+    from eplb.ops.client import fetch_load
 
     j = Job()
     try:

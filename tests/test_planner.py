@@ -16,7 +16,7 @@ from eplb.core.placement import Placement
 from eplb.core.planning import plan
 from eplb.core.policy import PolicyOptions, get_policy
 from eplb.core.policy.replicas import compositions, exact_counts_pairs, pairing_max, replica_counts
-from eplb.runtime.transfer import transfer_stats
+from eplb.core.transfer_plan import transfer_stats
 
 DATA = Path(__file__).parent / "data"
 ESFT = np.load(DATA / "esft_dsv2lite_alltasks.npy")  # [26, 64]

@@ -32,7 +32,8 @@ from eplb.ops.metrics import EplbMetrics
 from eplb.core.placement import Placement
 from eplb.core.planning import plan
 from eplb.runtime import EplbRuntime
-from eplb.ops.server import EplbServer, describe_status
+from eplb.ops.client import describe_status
+from eplb.ops.server import EplbServer
 
 WINDOW = 6
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from _dist import device_for, run_distributed
 from eplb.core.config import EplbConfig
 from eplb.runtime import NO_LOAD, EplbRuntime
-from eplb.ops.server import describe_status
+from eplb.ops.client import describe_status
 from test_runtime import _args, _skewed_bias, check_committed
 
 

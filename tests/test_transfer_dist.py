@@ -13,12 +13,9 @@ import torch.distributed as dist
 from _dist import device_for, run_distributed
 from eplb.core.placement import Placement
 from eplb.runtime.executor import TransferExecutor
-from eplb.runtime.transfer import (
-    allocate_staging,
-    execute_layer_transfer,
-    plan_layer_transfer,
-    transfer_stats,
-)
+from eplb.core.transfer_plan import plan_layer_transfer, transfer_stats
+from eplb.runtime.transfer import execute_layer_transfer
+from eplb.runtime.transports import allocate_staging
 
 SHAPE1 = (3, 4)  # w1: contiguous float32 [S, 3, 4]
 BIG2 = (5, 6)  # w2: int32 view [S, 3, 3] = big[:, 1:4, ::2] of big [S, 5, 6]
@@ -207,7 +204,8 @@ CHUNKS = (3, 20, 36, 48, 100, 1 << 30)  # < one element, < one expert, = w2's, =
 def _run_chunked(rank: int, world_size: int, seed: int, N: int, P: int) -> None:
     """Every chunk size, random transitions: exchange_layer leaves weights untouched and
     fills staging bitwise; write_layer then gives every slot its new expert."""
-    from eplb.runtime.transfer import P2PTransport, exchange_layer, staging_rows, write_layer
+    from eplb.runtime.transfer import exchange_layer, write_layer
+    from eplb.runtime.transports import P2PTransport, staging_rows
 
     device = device_for(rank)
     S = P // world_size
@@ -245,7 +243,8 @@ def _run_chunked(rank: int, world_size: int, seed: int, N: int, P: int) -> None:
 def _run_swap_direct(rank: int, world_size: int) -> None:
     """Whole-layer swap with contiguous weights: one message per tensor and direction,
     sent straight from the weights (no pack buffer); chunked, several per tensor."""
-    from eplb.runtime.transfer import P2PTransport, exchange_layer, write_layer
+    from eplb.runtime.transfer import exchange_layer, write_layer
+    from eplb.runtime.transports import P2PTransport
 
     device = device_for(rank)
     S = 6
@@ -267,7 +266,8 @@ def _run_swap_direct(rank: int, world_size: int) -> None:
 def _run_pack_in_spare_rows(rank: int, world_size: int) -> None:
     """Scattered sends are packed; with staging for S rows and few rows used, the pack
     buffers live in the unused rows (nothing allocated), else they are allocated."""
-    from eplb.runtime.transfer import P2PTransport, exchange_layer, write_layer
+    from eplb.runtime.transfer import exchange_layer, write_layer
+    from eplb.runtime.transports import P2PTransport
 
     device = device_for(rank)
     S = 8
@@ -308,7 +308,8 @@ def _run_pack_in_spare_rows(rank: int, world_size: int) -> None:
 def _run_executor_transports(rank: int, world_size: int, seed: int) -> None:
     """TransferExecutor with a small chunk and with 'auto' (gloo: point-to-point); on CPU
     'ipc' fails on every rank with one clear error."""
-    from eplb.runtime.transfer import P2PTransport, make_transport
+    from eplb.runtime.transport_choice import make_transport
+    from eplb.runtime.transports import P2PTransport
 
     device = device_for(rank)
     N, P = 6, 4 * world_size
@@ -332,7 +333,7 @@ def _run_executor_transports(rank: int, world_size: int, seed: int) -> None:
 def _run_chunked_subgroups(rank: int, world_size: int, seed: int) -> None:
     """Disjoint 2-rank groups ({0, 2}, {1, 3}), chunks smaller than an expert: peers are
     group-relative and mapped to global ranks."""
-    from eplb.runtime.transfer import P2PTransport
+    from eplb.runtime.transports import P2PTransport
 
     device = device_for(rank)
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -403,7 +404,9 @@ def test_copy_flat_range_matches_flatten():
 
 
 def test_execution_input_errors():
-    from eplb.runtime.transfer import P2PTransport, exchange_layer, make_transport, write_layer
+    from eplb.runtime.transfer import exchange_layer, write_layer
+    from eplb.runtime.transport_choice import make_transport
+    from eplb.runtime.transports import P2PTransport
 
     old, new = np.array([0, 1, 2, 3]), np.array([1, 0, 2, 3])
     plan = plan_layer_transfer(old, new, 1, 0)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from _dist import assert_same_on_every_rank, device_for, run_distributed
 from _faults import Fault, moving_target, p2p_transport
-from eplb.runtime.transfer import slot_checksums
+from eplb.runtime.verify import slot_checksums
 
 L_FUZZ = 2
 SAMPLE_EVERY = 50

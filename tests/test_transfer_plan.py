@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from eplb.core.placement import Placement
-from eplb.runtime.transfer import (
+from eplb.core.transfer_plan import (
     LayerTransferPlan,
     assign_senders,
     in_place_ops,

@@ -22,8 +22,11 @@ def load_version(root):
         del sys.modules[k]
     sys.path.insert(0, root)
     try:
-        planning = importlib.import_module("eplb.planning")
-        placement = importlib.import_module("eplb.placement")
+        try:  # the layout since 0.2, else the flat one of older trees
+            planning = importlib.import_module("eplb.core.planning")
+        except ImportError:
+            planning = importlib.import_module("eplb.planning")
+        placement = importlib.import_module(planning.__name__.replace("planning", "placement"))
     finally:
         sys.path.remove(root)
     return planning.plan, placement.Placement

@@ -6,7 +6,10 @@ import sys, time, resource
 import numpy as np, torch
 torch.set_num_threads(1)
 sys.path.insert(0, sys.argv[1])
-from eplb.planning import plan
+try:  # the layout since 0.2, else the flat one of older trees
+    from eplb.core.planning import plan
+except ImportError:
+    from eplb.planning import plan
 import os
 if os.environ.get("BIGFREE"): x = np.ones(int(os.environ["BIGFREE"]) // 8); del x
 def speed_loads(L, N, seed):

@@ -585,10 +585,3 @@ class _Handler(_HTTPHandler):
             status = dict(status, error=text if len(text) <= _ERROR_TEXT_LIMIT
                           else text[:_ERROR_TEXT_LIMIT - 3] + "...")
         self._json(200, status)
-
-
-# the client moved to eplb.ops.client; re-exported here for code that imported it from the
-# server module (tests/test_load_export.py, test_registration_safety.py,
-# test_rebalance_figures.py; the old path eplb.server)
-from eplb.ops.client import (MAX_LOAD_BYTES, TriggerError, describe_status,  # noqa: E402,F401
-                             fetch_load, rebalance_status, trigger_rebalance, wait_for_rebalance)

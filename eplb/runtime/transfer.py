@@ -5,14 +5,14 @@ Three modules:
 * `eplb.core.transfer_plan` (pure, numpy): from the old and new `physical_to_logical` rows of
   one layer, one rank's plan: which local slots stay, which are filled from an expert the
   rank already holds, which experts arrive from which peer and what the rank sends;
-* `eplb.runtime.transports`: how experts travel (`P2PTransport`: NCCL or gloo point-to-point;
-  `IpcTransport`: CUDA IPC on one host; `make_transport`);
+* how experts travel: `eplb.runtime.transports.P2PTransport` (NCCL or gloo point-to-point),
+  `eplb.runtime.ipc.IpcTransport` (CUDA IPC on one host), picked by
+  `eplb.runtime.transport_choice.make_transport`;
 * this module: one layer carried out *into the model's own tensors* (`exchange_layer`,
   `write_layer`, `execute_layer_transfer`): weights are written with `copy_` into slot
   views, so storage and `data_ptr` never change and CUDA graphs and registered views stay
-  valid. The public names of the other two are re-exported here. (`TransferExecutor`,
-  the standalone whole-placement move of tools and benchmarks, is in
-  `eplb.runtime.executor`, above the one layer mover it drives.)
+  valid. (`TransferExecutor`, the standalone whole-placement move of tools and
+  benchmarks, is in `eplb.runtime.executor`, above the one layer mover it drives.)
 
 Per layer and rank the execution is (after vLLM's `move_to_buffer`/`move_from_buffer`
 and SGLang's `update_expert_weights_single_layer`), in two public halves that an
@@ -46,62 +46,11 @@ from typing import Sequence
 
 import torch
 
-from eplb.core.transfer_plan import (  # noqa: F401 - re-exported
-    InPlaceOps,
-    LayerTransferPlan,
-    TransferStats,
-    assign_senders,
-    first_slot_of_expert,
-    in_place_ops,
-    plan_layer_transfer,
-    plan_layer_transfers,
-    transfer_stats,
-)
-from eplb.core.config import TRANSPORTS  # noqa: F401 - re-exported
-from eplb.runtime.ipc import IpcTransport  # noqa: F401 - re-exported
-from eplb.runtime.transport_choice import (  # noqa: F401 - re-exported
-    AUTO_PREFERS_IPC,
-    make_transport,
-    resolve_transport,
-)
-from eplb.runtime.transports import (  # noqa: F401 - re-exported
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_HOLD_CHUNK_BYTES,
-    P2PTransport,
-    allocate_staging,
-    check_staging,
-    check_weights,
-    copy_runs,
-    staging_rows,
-)
-from eplb.runtime.verify import TransferVerificationError, slot_checksums  # noqa: F401 - re-exported
+from eplb.core.transfer_plan import LayerTransferPlan
+from eplb.runtime.transport_choice import resolve_transport
+from eplb.runtime.transports import allocate_staging, check_staging, check_weights, copy_runs
 
-__all__ = [
-    "LayerTransferPlan",
-    "InPlaceOps",
-    "in_place_ops",
-    "TransferStats",
-    "assign_senders",
-    "plan_layer_transfer",
-    "plan_layer_transfers",
-    "transfer_stats",
-    "execute_layer_transfer",
-    "exchange_layer",
-    "write_layer",
-    "moves_in_place",
-    "staging_rows",
-    "allocate_staging",
-    "P2PTransport",
-    "IpcTransport",
-    "make_transport",
-    "DEFAULT_CHUNK_BYTES",
-    "DEFAULT_HOLD_CHUNK_BYTES",
-    "AUTO_PREFERS_IPC",
-    "TRANSPORTS",
-    "TransferVerificationError",
-    "first_slot_of_expert",
-    "slot_checksums",
-]
+__all__ = ["exchange_layer", "write_layer", "execute_layer_transfer", "moves_in_place"]
 
 
 def exchange_layer(plan: LayerTransferPlan, weights: Sequence[torch.Tensor], group,
