@@ -114,7 +114,13 @@ def session_script(code: str) -> str:
     `until` and `wait` lines run as they are."""
     # (no pipefail: `curl ... | grep -q` may cut curl off; grep's status is the answer)
     out = ["set -e", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT  # a failed line stops the demo"]
-    for i, line in enumerate(code.splitlines()):
+    lines: list[str] = []
+    for line in code.splitlines():  # a line ending in a backslash goes on on the next one
+        if lines and lines[-1].endswith("\\"):
+            lines[-1] = lines[-1][:-1].rstrip() + " " + line.strip()
+        else:
+            lines.append(line)
+    for i, line in enumerate(lines):
         cmd = _strip_comment(line)
         if not cmd:
             continue
