@@ -88,7 +88,7 @@ def _run_block(name: str, tmp_path: Path) -> str:
     if callable(prepare):
         regen.shim_env(tmp_path)  # the shims exist before prepare runs eplb
         prepare(tmp_path)
-    return regen.run_session(code, tmp_path, timeout=900)
+    return regen.run_session(code, tmp_path, timeout=600)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
