@@ -77,15 +77,16 @@ def _prepare_plan(tmp: Path):
                    cwd=tmp, env=regen.shim_env(tmp), check=True, capture_output=True)
 
 
+# every block run here -> what makes its inputs first (None: it needs none)
 RUNNERS = {"plan": _prepare_plan, "torchrun-cpu": None, "simulate-esft": None,
-           "simulate-cost": None, "metrics": "session"}
+           "simulate-cost": None, "metrics": None}
 
 
 def _run_block(name: str, tmp_path: Path) -> str:
     kind, code = bash_blocks()[name]
     assert kind == "run"
     prepare = RUNNERS[name]
-    if callable(prepare):
+    if prepare is not None:
         regen.shim_env(tmp_path)  # the shims exist before prepare runs eplb
         prepare(tmp_path)
     return regen.run_session(code, tmp_path, timeout=600)
