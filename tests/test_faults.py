@@ -156,8 +156,13 @@ def _rank_main(rank: int, port: int, outdir: str, mode: str, fault: str, point: 
             result["next_ok"] = bool(
                 np.array_equal(runtime.physical_to_logical.numpy(), target)
                 and torch.allclose(model(x), dense(x), rtol=1e-5, atol=1e-5))
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+    # The parent polls for rank{rank}.json and kills the ranks once every file exists: the
+    # file must appear complete (a half-written one read as empty JSON under load), so it
+    # is written under another name and renamed into place (atomic on POSIX).
+    path = os.path.join(outdir, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
         json.dump(result, f)
+    os.replace(path + ".tmp", path)
     os._exit(0)
 
 

@@ -486,6 +486,26 @@ def test_request_line_header_and_body_limits(job):
     assert not job.runtime.requests.has_pending() and job.runtime.events == []
 
 
+def test_chunked_body_is_read_to_its_end_before_the_411_closes(job):
+    """A client still sending its chunked body after the server answered 411 finishes
+    sending and reads the 411: the server reads the chunks (bounded) before it closes.
+    Closing at once made the client's next send fail with a broken pipe (the race that
+    failed test_request_line_header_and_body_limits under load); here the client pauses
+    between its sends so that the race always happens."""
+    head = (f"POST /rebalance HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", job.server.port), timeout=DEADLINE) as s:
+        s.sendall(head + b"3\r\nabc\r\n")
+        time.sleep(0.3)  # the server has answered and (before the fix) closed
+        s.sendall(b"5;ext=1\r\ndefgh\r\n")  # a closed peer answers this with a reset...
+        time.sleep(0.3)
+        s.sendall(b"0\r\nX-Trailer: 1\r\n\r\n")  # ... and this send fails (EPIPE)
+        reply, seconds = read_until_closed(s)
+    assert reply.startswith(b"HTTP/1.0 411") or reply.startswith(b"HTTP/1.1 411"), reply[:80]
+    assert b"Content-Length" in reply and seconds < 2, seconds
+    assert not job.runtime.requests.has_pending() and job.runtime.events == []
+
+
 class _Exploding:
     """A runtime whose every attribute raises with text that must never reach a client."""
 

@@ -421,6 +421,7 @@ class _HTTPHandler(BaseHTTPRequestHandler):
         self.close_connection = True
         if self.headers.get("Transfer-Encoding"):
             self._error(411, "send a Content-Length, not a chunked body")
+            self._drain_chunked()
             return None
         length = self.headers.get("Content-Length")
         if length is None:
@@ -448,6 +449,40 @@ class _HTTPHandler(BaseHTTPRequestHandler):
                 if not chunk:
                     break
                 left -= len(chunk)
+        except OSError:
+            pass
+
+    def _drain_chunked(self) -> None:
+        """As `_drain`, for a chunked body: read (and drop) chunks up to the last one and
+        its trailer, so a client still sending them is not cut off (a closed socket with
+        unread data resets the connection, and the client's next send fails with a broken
+        pipe before it reads our 411); bounded in bytes and time."""
+        try:
+            self.wfile.flush()
+            self.connection.settimeout(1.0)
+            left = _DRAIN_LIMIT
+            while left > 0:
+                line = self.rfile.readline(1024)
+                left -= len(line)
+                size = line.split(b";", 1)[0].strip()
+                if not line.endswith(b"\n") or not size or not all(
+                        c in b"0123456789abcdefABCDEF" for c in size):
+                    return  # closed, or not chunked framing: nothing more to wait for
+                n = int(size, 16)
+                if n == 0:  # the last chunk: then trailer lines up to an empty one
+                    while left > 0:
+                        line = self.rfile.readline(1024)
+                        left -= len(line)
+                        if line in (b"\r\n", b"\n", b""):
+                            return
+                    return
+                n = min(n + 2, left)  # the chunk and its CRLF
+                while n > 0:
+                    chunk = self.rfile.read1(min(65536, n))
+                    if not chunk:
+                        return
+                    n -= len(chunk)
+                    left -= len(chunk)
         except OSError:
             pass
 

@@ -1,0 +1,219 @@
+"""Regenerate (or check) the output blocks of README.md from the code as it is.
+
+    python docs/regen.py            # rewrite every output block in place
+    python docs/regen.py --check    # exit 1 and show the differences if a block is stale
+    python docs/regen.py demo       # only the named blocks
+
+An output block is a fenced block right after a marker line `<!-- regen: ID -->`. Its
+first line is the command (`$ eplb demo --verify`), run from a scratch directory with
+`eplb` and `torchrun` resolving to this checkout; the rest is what the command prints on
+stdout. A session block (`<!-- regen: ID session -->`) is the transcript of the bash block
+marked `<!-- run: ID -->` above it: each command that prints something, then its output.
+
+Comparison (`--check`, and tests/test_docs_readme.py) goes line by line after masking the
+figures that are not reproducible (TOLERANCE below, per block, stated in the README next to
+each block): timings always; the rest of a seeded run must match exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import re
+import shlex
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md"]
+
+MARK = re.compile(r"^<!-- regen: ([\w-]+)( session)? -->\n```(\w*)\n(.*?)^```\n", re.S | re.M)
+RUN_MARK = re.compile(r"^<!-- run: ([\w-]+) -->\n```bash\n(.*?)^```\n", re.S | re.M)
+
+# figures that vary from run to run on the same code: wall-clock times (and what is
+# derived from them), masked as <t>
+TIMINGS = [r"\d+(\.\d+)? ms\b", r"\b\d+(\.\d+)? s\b", r"\d+(\.\d+)? it/s"]
+# float32 round-off of the verify comparisons: depends on the CPU's kernels, not on the
+# placement; the line's verdict (OK / FAILED, tolerance) is still compared
+DIFFS = [r"(?<=max \|diff\| )\d\.\de[-+]\d\d"]
+ANY_NUMBER = [r"\d+(\.\d+)?(e[-+]?\d+)?"]
+TOLERANCE = {
+    "demo": TIMINGS + DIFFS,          # seeded: balancedness, moves and MB exact
+    "demo-qwen3": TIMINGS + DIFFS,    # seeded likewise
+    "metrics": ANY_NUMBER,            # a live job: figures depend on when each command runs
+}
+PORT = 9400  # the port the docs use; a run takes a free one and shows it as this
+
+
+@dataclass
+class Block:
+    doc: Path
+    id: str
+    session: bool
+    lang: str
+    body: str
+    start: int  # offsets of the body in the doc's text
+    end: int
+
+
+def find_blocks(doc: Path) -> list[Block]:
+    text = doc.read_text()
+    return [Block(doc, m.group(1), bool(m.group(2)), m.group(3), m.group(4), m.start(4), m.end(4))
+            for m in MARK.finditer(text)]
+
+
+def run_blocks(doc: Path) -> dict[str, str]:
+    """id -> the bash code of each `<!-- run: ID -->` block."""
+    return {m.group(1): m.group(2) for m in RUN_MARK.finditer(doc.read_text())}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shim_env(workdir: Path) -> dict:
+    """An environment whose `eplb` and `torchrun` run this checkout with this interpreter
+    (the console script of another install could be first on PATH)."""
+    bindir = workdir / ".bin"
+    bindir.mkdir(exist_ok=True)
+    for name, module in (("eplb", "eplb"), ("torchrun", "torch.distributed.run")):
+        f = bindir / name
+        f.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m {module} "$@"\n')
+        f.chmod(f.stat().st_mode | stat.S_IXUSR)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_command(cmd: str, timeout: float = 600) -> str:
+    """stdout of one documented command, run in a scratch directory."""
+    with tempfile.TemporaryDirectory() as tmp:
+        p = subprocess.run(["bash", "-c", cmd], cwd=tmp, env=shim_env(Path(tmp)),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           timeout=timeout, start_new_session=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"`{cmd}` exited {p.returncode}:\n{p.stderr[-3000:]}")
+    return p.stdout
+
+
+def _strip_comment(line: str) -> str:
+    return re.split(r"\s+#\s", line, maxsplit=1)[0].rstrip()
+
+
+def session_script(code: str) -> str:
+    """A bash script running `code` line by line under `set -e` that prints,
+    for each command with output, `$ command` and the output. Background (`... &`),
+    `until` and `wait` lines run as they are."""
+    # (no pipefail: `curl ... | grep -q` may cut curl off; grep's status is the answer)
+    out = ["set -e", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT  # a failed line stops the demo"]
+    lines: list[str] = []
+    for line in code.splitlines():  # a line ending in a backslash goes on on the next one
+        if lines and lines[-1].endswith("\\"):
+            lines[-1] = lines[-1][:-1].rstrip() + " " + line.strip()
+        else:
+            lines.append(line)
+    for i, line in enumerate(lines):
+        cmd = _strip_comment(line)
+        if not cmd:
+            continue
+        if cmd.endswith("&") or cmd.split()[0] in ("until", "wait", "while"):
+            out.append(line)
+            continue
+        out.append(f"{{ {cmd} ; }} > .out{i} 2>&1 || {{ s=$?; printf '%s\\n' {shlex.quote('FAILED: ' + cmd)} >&2; "
+                   f"cat .out{i} >&2; exit $s; }}")
+        out.append(f"if [ -s .out{i} ]; then printf '%s\\n' {shlex.quote('$ ' + cmd)}; cat .out{i}; fi")
+    return "\n".join(out) + "\n"
+
+
+def run_session(code: str, workdir: Path, timeout: float = 600) -> str:
+    """Run a documented bash block as written, on a free port instead of PORT (shown as
+    PORT); the transcript. Raises with the failing command's output if a command fails."""
+    port = free_port()
+    script = session_script(code.replace(str(PORT), str(port)))
+    p = subprocess.Popen(["bash", "-c", script], cwd=workdir, env=shim_env(workdir),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.communicate()
+        else:  # the session's background job, if it is still there
+            try:
+                os.killpg(p.pid, 9)
+            except ProcessLookupError:
+                pass
+    if p.returncode != 0:
+        raise RuntimeError(f"the block failed (exit {p.returncode}):\n{err[-4000:]}")
+    return out.replace(str(port), str(PORT))
+
+
+def produce(block: Block) -> str:
+    """The block's body as the code prints it now."""
+    if block.session:
+        code = run_blocks(block.doc)[block.id]
+        with tempfile.TemporaryDirectory() as tmp:
+            return run_session(code, Path(tmp))
+    first = block.body.splitlines()[0]
+    if not first.startswith("$ "):
+        raise ValueError(f"{block.doc.name}: block {block.id}: first line must be `$ command`")
+    return first + "\n" + run_command(first[2:])
+
+
+def mask(text: str, block_id: str) -> list[str]:
+    lines = []
+    for line in text.splitlines():
+        for pattern in TOLERANCE.get(block_id, TIMINGS):
+            line = re.sub(pattern, "<#>", line)
+        lines.append(line.rstrip())
+    return lines
+
+
+def differences(block: Block, new: str) -> list[str]:
+    old, cur = mask(block.body, block.id), mask(new, block.id)
+    if old == cur:
+        return []
+    return list(difflib.unified_diff(old, cur, f"{block.doc.name} ({block.id})", "now", lineterm=""))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("ids", nargs="*", help="only these blocks (default: all)")
+    p.add_argument("--check", action="store_true", help="compare, do not write; exit 1 if stale")
+    a = p.parse_args(argv)
+    stale = 0
+    for doc in DOCS:
+        new = {}
+        for b in find_blocks(doc):
+            if a.ids and b.id not in a.ids:
+                continue
+            print(f"{doc.name}: {b.id} ...", file=sys.stderr, flush=True)
+            new[b.id] = produce(b)
+            diff = differences(b, new[b.id])
+            if diff:
+                stale += 1
+                print("\n".join(diff))
+        if not a.check and new:
+            # read again: the runs take minutes, and the doc may have been edited meanwhile
+            text = doc.read_text()
+            for b in reversed(find_blocks(doc)):  # from the end: earlier offsets stay valid
+                if b.id in new:
+                    text = text[:b.start] + new[b.id] + text[b.end:]
+            doc.write_text(text)
+    if a.check and stale:
+        print(f"{stale} block(s) stale: run python docs/regen.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
