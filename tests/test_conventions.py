@@ -189,11 +189,15 @@ def _extra_forward(rank: int, world: int) -> None:
                 ("model.layers.0.mlp.experts",
                  lambda g: expert_parallel(tiny_model("qwen3_moe", **SIZES), 2, g))]
     for layer_name, build in builders:
-        # a group with a short timeout: the extra forward's all-to-all fails within seconds
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=4))
+        # the matched forwards on a group with the default timeout (a loaded machine may
+        # keep one rank seconds behind), the extra one on a group with a short timeout, so
+        # that its all-to-all fails within seconds
+        group = dist.new_group(backend="gloo")
+        short = dist.new_group(backend="gloo", timeout=timedelta(seconds=4))
         model = build(group)
         x = _inputs("MoEModel" if layer_name == "MoE layer 0" else "hf", rank)
         _forward(model, x, 2)
+        model.set_expert_parallel_group(short)
         if rank == 0:  # one forward more than rank 1
             with pytest.raises(RuntimeError) as info:
                 _forward(model, x, 1)

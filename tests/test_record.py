@@ -307,9 +307,13 @@ def test_interrupted_trace_keeps_what_it_recorded(job, tmp_path):
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     out = tmp_path / "t.npz"
+    # Ctrl-C at a terminal: SIGINT at its default disposition in the child. A test run
+    # started in the background by a non-interactive shell (`pytest &`) inherits SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt handler: restore it.
     p = subprocess.Popen([sys.executable, "-m", "eplb", "record", job.url, "--out", str(out),
                           "--every", "0.1", "--count", "1000"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)
+                         stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lines = []
         deadline = time.monotonic() + 60
