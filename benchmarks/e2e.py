@@ -39,7 +39,6 @@ import dataclasses
 import datetime
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -55,6 +54,7 @@ from eplb.ops.demo import DEMO_BIAS_STRENGTH  # noqa: E402
 from eplb.core.placement import Placement, balancedness_of_gpu_loads  # noqa: E402
 from eplb.core.planning import plan  # noqa: E402
 from eplb.runtime import EplbRuntime  # noqa: E402
+from eplb.ops.launch import launch_command  # noqa: E402
 from eplb.core.workload import TraceWorkload, load_trace, routing_bias  # noqa: E402
 from moe import MoEArgs, MoEModel  # noqa: E402
 
@@ -399,12 +399,6 @@ def worker(a: argparse.Namespace) -> int:
     return 0
 
 
-def _entry(rank: int, world: int, port: int, argv: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    main_rank(argv)
-
-
 def main_rank(argv: list[str] | None) -> int:
     a = parse_args(argv)
     if a.watchdog > 0:
@@ -428,12 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)  # check the arguments once, before starting ranks
     if not a.cpu and torch.cuda.device_count() < a.nproc:
         raise SystemExit(f"e2e: needs {a.nproc} GPUs, {torch.cuda.device_count()} visible (or --cpu)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.start_processes(_entry, args=(a.nproc, port, argv), nprocs=a.nproc,
-                                          start_method="spawn")
-    return 0
+    # one process per rank with torchrun's variables, as `eplb demo --nproc` starts them
+    return launch_command([sys.executable, str(Path(__file__).resolve()), *argv], a.nproc)
 
 
 if __name__ == "__main__":

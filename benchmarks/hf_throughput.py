@@ -58,7 +58,6 @@ import copy
 import datetime
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -73,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eplb.core.config import EplbConfig  # noqa: E402
 from eplb.core.placement import balancedness_of_gpu_loads  # noqa: E402
 from eplb.runtime import EplbRuntime  # noqa: E402
+from eplb.ops.launch import free_port, launch_command  # noqa: E402
 
 # Qwen3-30B-A3B (config.json of Qwen/Qwen3-30B-A3B), depth reduced
 GPU_DEFAULTS = dict(layers=12, hidden=2048, experts=128, top_k=8, intermediate=768, heads=32,
@@ -553,12 +553,6 @@ def report(rec: dict) -> None:
 
 
 # ---- launch -----------------------------------------------------------------------------
-def _entry(rank: int, world: int, port: int, argv: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    main_rank(argv)
-
-
 def main_rank(argv: list[str] | None) -> int:
     a = parse_args(argv)
     if a.watchdog > 0:
@@ -583,15 +577,12 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.device == "cuda" and torch.cuda.device_count() < a.nproc:
         raise SystemExit(f"hf_throughput: needs {a.nproc} GPUs, {torch.cuda.device_count()} visible")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    if a.nproc == 1:
-        _entry(0, 1, port, argv)
-        return 0
-    torch.multiprocessing.start_processes(_entry, args=(a.nproc, port, argv), nprocs=a.nproc,
-                                          start_method="spawn")
-    return 0
+    if a.nproc == 1:  # in this process, as rank 0 of 1
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+                          WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        return main_rank(argv)
+    # one process per rank with torchrun's variables, as `eplb demo --nproc` starts them
+    return launch_command([sys.executable, str(Path(__file__).resolve()), *argv], a.nproc)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,12 @@ def free_port() -> int:
 
 def launch(module: str, args: list[str], nproc: int, timeout: float | None = None) -> int:
     """Run `python -m module *args` on `nproc` ranks; return 0 or the first failing code."""
+    return launch_command([sys.executable, "-m", module, *args], nproc, timeout)
+
+
+def launch_command(command: list[str], nproc: int, timeout: float | None = None) -> int:
+    """Run `command` (e.g. `[python, script.py, *args]`) on `nproc` ranks with torchrun's
+    variables; return 0 or the first failing code (the others are stopped)."""
     port = free_port()
     procs = []
     for rank in range(nproc):
@@ -29,7 +35,7 @@ def launch(module: str, args: list[str], nproc: int, timeout: float | None = Non
                    WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
                    GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
                    TORCHELASTIC_RUN_ID="eplb-demo", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=env))
+        procs.append(subprocess.Popen(command, env=env))
     deadline = None if timeout is None else time.monotonic() + timeout
     code = 0
     try:
