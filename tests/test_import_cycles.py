@@ -123,3 +123,12 @@ def test_no_import_cycle_but_the_listed_ones():
     assert not new, "import cycles: " + "; ".join(" <-> ".join(c) for c in new)
     gone = [c for c in NOT_YET_BROKEN if c not in found]
     assert not gone, f"no longer a cycle, strike it off NOT_YET_BROKEN: {gone}"
+
+
+def test_only_the_application_layer_and_gpu_cost_import_moe():
+    """docs/architecture.md: `eplb` stays usable without `moe`; only the demos and the
+    GPU cost model (it times the reference model's grouped GEMM) import it."""
+    g = import_graph()
+    users = sorted(m for m, deps in g.items() if m.startswith("eplb")
+                   and any(d == "moe" or d.startswith("moe.") for d in deps))
+    assert users == ["eplb.ops.demo", "eplb.ops.demo_hf", "eplb.ops.gpu_cost"], users
