@@ -137,9 +137,9 @@ class ShiftState:
     def shifted(self, measured: float, steps: int, threshold: float = DEFAULT_SHIFT_THRESHOLD) -> bool:
         """Whether `measured` (balancedness of the placement in force over the last `steps`
         steps since it was put in force) shows a load shift; threshold 0: never."""
-        expected = self.expected_gap(max(1, steps))
-        if threshold <= 0 or self.predicted is None or expected is None:
+        if threshold <= 0 or self.predicted is None or steps < 1 or not self.noise:
             return False
+        expected = self.expected_gap(steps)
         return bool(self.predicted - measured > threshold + 2 * expected)
 
     def checked(self, measured: float, steps: int, shifted: bool) -> "ShiftState":

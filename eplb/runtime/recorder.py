@@ -48,8 +48,8 @@ class LoadRecorder:
         """This rank's per-GPU counts of the most recent step (not reduced over ranks)."""
         return self.gpu_ring[(self.steps_recorded - 1) % self.window_size]
 
-    def window_load(self, group: dist.ProcessGroup | None = None, decay: float = 1.0
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def window_load(self, group: dist.ProcessGroup | None = None, decay: float = 1.0,
+                    since_change: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Window sums over all ranks: logical `[L, N]` and measured per-GPU `[L, M]`.
 
         `decay` weights the logical counts of the step `k` steps older than the newest by
@@ -57,9 +57,10 @@ class LoadRecorder:
         anything else float64 (weights and sums in float64 on the device). The per-GPU part
         is always a plain sum and covers only steps since the last placement change (older
         steps were counted under another placement). One all-reduce, nothing leaves the
-        device.
+        device. `since_change`: the logical counts too cover only the steps since the last
+        placement change (a plain sum; what a shift-aware early rebalance plans on).
         """
-        logical, gpu = self.local_window(decay)  # [L, N], [L, M]
+        logical, gpu = self.local_window(decay, since_change)  # [L, N], [L, M]
         both = torch.cat([logical, gpu.to(logical.dtype)], dim=1)  # [L, N + M]
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(both, group=group)
@@ -67,7 +68,8 @@ class LoadRecorder:
         # per-GPU sums are integers below 2**53, exact in float64
         return both[:, :N], both[:, N:].to(torch.int64)
 
-    def local_window(self, decay: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    def local_window(self, decay: float = 1.0, since_change: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of `window_load`: the same sums, on the device, before the
         all-reduce (`EplbMetrics` folds them into its own one all-reduce). Logical `[L, N]`
         (int64, or float64 weighted decay**age when decay < 1) and per-GPU `[L, M]` int64
@@ -75,7 +77,13 @@ class LoadRecorder:
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {decay!r}")
         W = self.window_size
-        if decay == 1:
+        n_gpu = min(self.gpu_steps, W)
+        # ring entries of the last n_gpu steps, indexed on the device (no host-to-device copy,
+        # which would wait for the work queued on the stream)
+        idx = (self.steps_recorded - 1 - torch.arange(n_gpu, device=self.gpu_ring.device)) % W  # [n]
+        if since_change:
+            logical = self.logical_ring.index_select(0, idx).sum(0)  # [L, N] int64
+        elif decay == 1:
             logical = self.logical_ring.sum(0)  # [L, N] int64
         else:
             # ring entry i was written `age` steps before the newest one; unfilled entries are 0
@@ -84,10 +92,6 @@ class LoadRecorder:
             weight = torch.pow(torch.full((W,), float(decay), dtype=torch.float64,
                                           device=age.device), age)  # [W]
             logical = torch.tensordot(weight, self.logical_ring.to(torch.float64), dims=1)  # [L, N]
-        n_gpu = min(self.gpu_steps, W)
-        # ring entries of the last n_gpu steps, indexed on the device (no host-to-device copy,
-        # which would wait for the work queued on the stream)
-        idx = (self.steps_recorded - 1 - torch.arange(n_gpu, device=self.gpu_ring.device)) % W  # [n]
         gpu = self.gpu_ring.index_select(0, idx).sum(0)  # [L, M] (zeros when n_gpu == 0)
         return logical, gpu
 
