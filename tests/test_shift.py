@@ -99,15 +99,29 @@ def test_replay_on_a_steady_load_is_the_schedule_alone():
 L, N, R = 2, 8, 4  # P = 12, 6 slots per GPU on 2 ranks
 
 
+TOLERANCES: list[float] = []  # move tolerances the planner was called with (rank 0 plans)
+
+
+def _recording_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options=None):
+    from eplb.core.policy import get_policy
+
+    TOLERANCES.append(options.move_tolerance)
+    return get_policy("default")(load, num_slots, num_gpus, num_nodes, num_groups, previous, options)
+
+
 def _runtime(group, device, threshold):
     from eplb.core.config import EplbConfig
+    from eplb.core.policy import available_policies, register_policy
+
+    if "test-shift-recording" not in available_policies():
+        register_policy("test-shift-recording")(_recording_policy)
     from eplb.runtime import EplbRuntime
     from moe import MoEArgs, MoEModel
 
     args = MoEArgs(hidden_size=16, intermediate_size=8, num_layers=L, num_experts=N, top_k=2,
                    num_redundant_experts=R)
     cfg = EplbConfig(num_redundant_experts=R, window_size=4, rebalance_interval=8, control_interval=2,
-                     min_gain=0.0, shift_threshold=threshold)
+                     min_gain=0.0, shift_threshold=threshold, policy="test-shift-recording")
     return EplbRuntime(MoEModel(args, group=group, device=device), cfg, group=group)
 
 
@@ -142,8 +156,14 @@ def _shift_body(rank, world, threshold):
         # one early rebalance only: the next shift (20) waits for the schedule (24)
         assert triggers == [(8, "interval"), (16, "interval"), (18, "shift"), (24, "interval")], triggers
         assert rt.events[2].balancedness_after.min() > 0.9
+        # planned with move tolerance 0 after a shift: the early plan, and the one at 24
+        # (the load changed again at 20), the steady ones with the config's 0.03
+        want = [0.03, 0.03, 0.0, 0.0]
     else:
         assert triggers == [(8, "interval"), (16, "interval"), (24, "interval")], triggers
+        want = [0.03, 0.03, 0.03]
+    if rank == 0:
+        assert TOLERANCES == want, TOLERANCES
 
 
 @pytest.mark.parametrize("threshold", [0.05, 0.0])
