@@ -100,12 +100,14 @@ L, N, R = 2, 8, 4  # P = 12, 6 slots per GPU on 2 ranks
 
 
 TOLERANCES: list[float] = []  # move tolerances the planner was called with (rank 0 plans)
+LOADS: list[np.ndarray] = []  # the loads [L, N] it planned on
 
 
 def _recording_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options=None):
     from eplb.core.policy import get_policy
 
     TOLERANCES.append(options.move_tolerance)
+    LOADS.append(np.array(load))
     return get_policy("default")(load, num_slots, num_gpus, num_nodes, num_groups, previous, options)
 
 
@@ -164,6 +166,8 @@ def _shift_body(rank, world, threshold):
         want = [0.03, 0.03, 0.03]
     if rank == 0:
         assert TOLERANCES == want, TOLERANCES
+        if threshold:  # the early plan saw the load since the shift only: steps 17, 18 of both ranks
+            np.testing.assert_allclose(LOADS[2], 2 * 2 * _hot([0, 6]), rtol=0.01)
 
 
 @pytest.mark.parametrize("threshold", [0.05, 0.0])

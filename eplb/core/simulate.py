@@ -202,8 +202,8 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
 
     `shift_threshold` > 0 makes the replay shift-aware, as the runtime
     (`EplbConfig.shift_threshold`, decided by `planning.ShiftState`): at a scheduled
-    plan, when the placement in force balances the steps recorded since it was put in
-    force (at most `window`) worse than its plan predicted, beyond the noise of earlier
+    plan, when the placement in force balances the steps recorded since the last plan
+    (at most `window`) worse than that plan predicted, beyond the noise of earlier
     checks, the plan uses move tolerance 0; and after each step served, the same check on
     the steps served since the last plan may start one early rebalance per interval
     (bounded rate), planned with tolerance 0 on those steps only (the load since the
@@ -226,8 +226,7 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
                               seconds, float(step_imbalance(load[None], new).mean()), gain, not move,
                               shifted, early)
         made.append((s, new, current, rec))  # (start, placement, previous, record)
-        if new is not current:
-            since = s
+        since = s  # checks measure from the last plan on (applied or skipped), as the runtime
         current, state = new, state.planned(np.mean(new.balancedness(load)))
         if progress:
             progress()

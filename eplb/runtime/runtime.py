@@ -266,15 +266,15 @@ class EplbRuntime:
 
     def _shift_now(self) -> bool:
         """Shift-aware early rebalance (`EplbConfig.shift_threshold`): whether the load
-        recorded since the last placement change shows a shift (`ShiftState.shifted`, the
+        recorded since the last plan shows a shift (`ShiftState.shifted`, the
         same decision as the simulator's), at most once per rebalance interval. Collective
         when it checks: one all-reduce of the window and one host read, every
         `control_interval` steps while a plan's prediction is known."""
         thr = self.config.shift_threshold
-        steps = min(self.recorder.gpu_steps, self.recorder.window_size)
+        steps = self.recorder.steps_since_plan
         if not thr or self._early_used or self._shift.predicted is None or steps < 1:
             return False  # the same on every rank: config, step counts and the state agree
-        _, gpu = self.recorder.window_load(self.group)  # [L, M] all-reduced
+        _, gpu = self.recorder.window_load(self.group, since_plan=True)  # [L, M] all-reduced
         measured = float(np.mean(balancedness_of_gpu_loads(gpu.cpu().numpy())))
         return self._shift.shifted(measured, steps, thr)
 
@@ -330,9 +330,10 @@ class EplbRuntime:
         A plan that gains less than `config.min_gain` moves nothing (a skipped rebalance);
         an all-zero window is not planned on at all (skipped, reason NO_LOAD)."""
         info = {"request_ids": request_ids or [], "t_start": time.perf_counter(), "trigger": trigger,
-                "steps": min(self.recorder.gpu_steps, self.recorder.window_size)}
-        early = trigger == "shift"  # plans on the load since the shift, with tolerance 0
-        read_window = self._window_reader(info, since_change=early)  # collective: the all-reduce
+                "steps": self.recorder.steps_since_plan}
+        early = trigger == "shift"  # plans on the load since the last plan, with tolerance 0
+        read_window = self._window_reader(info, since_plan=early)  # collective: the all-reduce
+        self.recorder.on_plan()  # shift detection measures from this plan on
 
         def plan_fn() -> Placement:
             t0 = time.perf_counter()
@@ -341,8 +342,8 @@ class EplbRuntime:
                 info.update(skipped=True, skip_reason=NO_LOAD, predicted_gain=0.0,
                             seconds_plan=time.perf_counter() - t0)
                 return self.placement
-            steps = min(self.recorder.gpu_steps, self.recorder.window_size) if early else info["steps"]
-            measured = float(np.mean(info["before"]))
+            steps = info["steps"]
+            measured = float(np.mean(info["measured"]))
             shifted = early or self._shift.shifted(measured, steps, self.config.shift_threshold)
             if not early:
                 self._shift = self._shift.checked(measured, steps, shifted)
@@ -361,14 +362,18 @@ class EplbRuntime:
 
         return self._begin(plan_fn, info, self.config.async_rebalance)
 
-    def _window_reader(self, info: dict, since_change: bool = False) -> Callable[[], None]:
+    def _window_reader(self, info: dict, since_plan: bool = False) -> Callable[[], None]:
         """All-reduce the recorded window now (a collective, on the step loop) and return
         the function that fills `info` from it on the host: "load" [L, N] (what the planner
         sees) and "before" [L] (balancedness measured from the per-GPU window). In
         asynchronous mode that function runs in the rebalance thread, after the
         all-reduce's kernels, so the step loop never waits for the copy."""
         logical, gpu = self.recorder.window_load(self.group, decay=self.config.load_decay,
-                                                 since_change=since_change)  # [L, N], [L, M]
+                                                 since_plan=since_plan)  # [L, N], [L, M]
+        # what shift detection measures: the steps since the last plan (one more small all-reduce)
+        recent = gpu  # [L, M]
+        if not since_plan and self.config.shift_threshold:
+            recent = self.recorder.window_load(self.group, since_plan=True)[1]
         window_done = None
         if self.device.type == "cuda":  # read() may run on another thread and stream
             window_done = torch.cuda.Event()
@@ -379,6 +384,7 @@ class EplbRuntime:
                 torch.cuda.current_stream(self.device).wait_event(window_done)
             info["load"] = logical.cpu().numpy().astype(np.float64)  # [L, N]
             info["before"] = balancedness_of_gpu_loads(gpu.cpu().numpy())  # [L]
+            info["measured"] = balancedness_of_gpu_loads(recent.cpu().numpy())  # [L]
 
         return read
 
