@@ -7,7 +7,7 @@ Runs `eplb.core.scale` (what `eplb simulate --cost` runs; window and interval 4,
 spare slot per GPU, decode 128 and prefill 4,096 tokens per GPU) over:
 
 - the shared traces of benchmarks/scale.py (`esft`, `olmoe`) on DeepSeek-V3 and Qwen3-235B
-  shapes (64-expert traces stacked to 256 and 128 experts);
+  shapes (64-expert traces stacked to 256 and 128 experts; Qwen3 up to EP 128);
 - synthetic families (256 experts, 4 layers, 40 steps, each step 2**17 token-expert
   choices per layer drawn from the step's shares, fixed seeds):
   `shift-zipf` (Zipf 1.0 popularity whose expert order is redrawn every 8 steps: a domain
@@ -164,13 +164,15 @@ def _all_loads() -> dict[str, np.ndarray]:
 
 
 def configs(eps, models, names) -> list[tuple[str, str, int]]:
-    """(model, trace, EP) of the run: traces whose experts divide the model's."""
+    """(model, trace, EP) of the run: traces whose experts divide the model's, EP sizes that
+    divide its experts (Qwen3's 128 at EP 256 would need N + 256 slots on 256 GPUs)."""
     loads = _all_loads()
     missing = [n for n in names if n not in loads]
     if missing:
         print(f"left out (no such trace here: see --shared): {', '.join(missing)}", flush=True)
     return [(m, n, M) for m in models for n in names if n in loads
-            if MODEL_PRESETS[m].num_experts % loads[n].shape[-1] == 0 for M in eps]
+            if MODEL_PRESETS[m].num_experts % loads[n].shape[-1] == 0 for M in eps
+            if MODEL_PRESETS[m].num_experts % M == 0]  # N + M slots must divide over M GPUs
 
 
 def _plan_job(args) -> str:

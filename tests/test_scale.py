@@ -354,3 +354,27 @@ def test_gpu_cost_switches_to_a_fitted_estimate():
     counts = np.array([[[5, 0, 2], [40, 30, 1]]])
     want = [1, 2, 7, 2, 2] @ coef, [1, 3, 71, 3, 3] @ coef
     assert np.allclose(c.estimate(counts)[0], want)
+
+
+def test_bench_issue29_ratios_and_plan_cache(tmp_path):
+    """benchmarks/issue29.py: its ratios are the replay's tokens/s over each other, the shift
+    figures differ from the no-shift ones on a shifting family, and plans read back from its
+    cache give the very same figures (what the GPU script relies on)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import issue29
+
+    direct = issue29.run("analytic", tmp_path / "a", 0.05, [8], ["deepseek-v3"], ["shift-zipf"])
+    assert [(r["ep"], r["preset"]) for r in direct["rows"]] == [(8, "decode"), (8, "prefill")]
+    for r in direct["rows"]:
+        t = r["tokens_per_s"]
+        assert r["default/deepseek"] == pytest.approx(t["default"] / t["deepseek"], rel=1e-12)
+        assert r["default/oracle"] == pytest.approx(t["default"] / t["oracle"], rel=1e-12)
+        assert r["noshift/oracle"] == pytest.approx(r["default_noshift"] / t["oracle"], rel=1e-12)
+        assert r["early_rebalances"] >= 1 and r["default/oracle"] > r["noshift/oracle"]
+    issue29._plans("deepseek-v3", "shift-zipf", 8, 0.05, tmp_path / "plans")  # fills the cache
+    cached = issue29.run("analytic", tmp_path / "b", 0.05, [8], ["deepseek-v3"], ["shift-zipf"],
+                         plans=tmp_path / "plans")
+    for a, b in zip(direct["rows"], cached["rows"]):
+        for k in ("tokens_per_s", "default_noshift", "moves_per_rebalance", "moves_per_rebalance_noshift",
+                  "early_rebalances", "shifted_plans"):
+            assert a[k] == b[k], k
