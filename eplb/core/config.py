@@ -59,12 +59,12 @@ class EplbConfig:
     the shared traces (benchmarks/README.md, "Skipping rebalances that gain too little")."""
     shift_threshold: float = DEFAULT_SHIFT_THRESHOLD
     """Shift-aware rebalancing (`eplb.core.planning.ShiftState`): when the placement in
-    force balances the load recorded since it was put in force worse than its plan
-    predicted by more than this (in balancedness), beyond the noise seen at earlier
-    rebalances, the load shifted: the next rebalance plans with move tolerance 0, and a
-    check every `control_interval` steps may start one early rebalance per
-    `rebalance_interval` (bounded rate). 0 = off: the schedule alone, with
-    `move_tolerance` always. Measured in benchmarks/README.md (issue 29)."""
+    force balances the load recorded since the last plan worse than that plan predicted
+    by more than this (in balancedness), beyond the noise seen at earlier rebalances,
+    the load shifted: the next rebalance plans with move tolerance 0, and a check every
+    `control_interval` steps may start one early rebalance between two other rebalances
+    (bounded rate: at most one per `rebalance_interval`). 0 = off: the schedule alone,
+    with `move_tolerance` always. Measured in benchmarks/README.md (issue 29)."""
     zero_load_warn_steps: int = 100
     """At this step, warn once (rank 0) if no rank recorded any load in its window yet:
     the model is not adding the tokens each slot receives into `expert_load_view`

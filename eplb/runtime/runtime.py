@@ -257,17 +257,15 @@ class EplbRuntime:
         if control and self.steps % control == 0 and self._agree_requested():
             return self._start("request", self.requests.start(self.steps))
         if interval and self.steps % interval == 0:
-            self._early_used = False  # the bounded rate: one early rebalance per interval
             return self._start("interval")
         if control and self.steps % control == 0 and self._shift_now():
-            self._early_used = True
             return self._start("shift")
         return None
 
     def _shift_now(self) -> bool:
         """Shift-aware early rebalance (`EplbConfig.shift_threshold`): whether the load
         recorded since the last plan shows a shift (`ShiftState.shifted`, the
-        same decision as the simulator's), at most once per rebalance interval. Collective
+        same decision as the simulator's), at most once between two other rebalances. Collective
         when it checks: one all-reduce of the window and one host read, every
         `control_interval` steps while a plan's prediction is known."""
         thr = self.config.shift_threshold
@@ -332,6 +330,7 @@ class EplbRuntime:
         info = {"request_ids": request_ids or [], "t_start": time.perf_counter(), "trigger": trigger,
                 "steps": self.recorder.steps_since_plan}
         early = trigger == "shift"  # plans on the load since the last plan, with tolerance 0
+        self._early_used = early  # the bounded rate: one early rebalance between two other plans
         read_window = self._window_reader(info, since_plan=early)  # collective: the all-reduce
         self.recorder.on_plan()  # shift detection measures from this plan on
 
