@@ -277,3 +277,29 @@ def test_runtime_rebalance_passes_decay_and_planner_knobs():
     assert np.allclose(seen["load"], want.numpy())
     assert not np.allclose(seen["load"], runtime.recorder.window_load()[0].numpy())
     assert seen["options"].move_tolerance == 0.3 and seen["options"].weighted is False
+
+
+def test_window_since_plan_covers_only_the_steps_after_the_last_plan():
+    """What shift detection measures and an early rebalance plans on (issue 29): the
+    counts of the steps since `on_plan()` (and since the last placement change), at most
+    the window, logical counts as a plain sum."""
+    rec = LoadRecorder(L, N, M, S, window_size=4, device=CPU)
+    loads = [step_load(k) for k in range(6)]
+    for k in range(3):
+        rec.record(loads[k].clone(), P2L)
+    rec.on_plan()
+    for k in range(3, 5):
+        rec.record(loads[k].clone(), P2L)
+    assert rec.steps_since_plan == 2
+    logical, gpu = rec.window_load(since_plan=True)
+    want = sum(logical_of(loads[k], P2L) for k in (3, 4))
+    assert torch.equal(logical, want)
+    assert torch.equal(gpu, sum(gpu_of(loads[k]) for k in (3, 4)))
+    full, _ = rec.window_load()  # the plain window: steps 1..4
+    assert torch.equal(full, sum(logical_of(loads[k], P2L) for k in range(1, 5)))
+    for k in range(5, 9):  # more steps than the window since the change: the window
+        rec.record(step_load(k), P2L)
+    logical, _ = rec.window_load(since_plan=True)
+    assert torch.equal(logical, sum(logical_of(step_load(k), P2L) for k in range(5, 9)))
+    rec.on_placement_change()  # a change drops the per-GPU history: nothing measured yet
+    assert rec.steps_since_plan == 0

@@ -206,6 +206,60 @@ def test_cli_cost_analytic_prints_and_writes_the_same_figures(tmp_path, capsys):
             assert f"{100 * r['gain_over_static'][name]:+.1f}%" in line
 
 
+def test_cli_cost_honours_the_runtime_settings_and_prints_ratios(tmp_path, capsys):
+    """Issue 29, item 4: --move-tolerance, --weighted-replicas, --load-decay and
+    --shift-threshold reach the replay (its JSON config and its plans) and the header;
+    the /deepseek and /oracle columns are the rows' tokens/s over those rows' (recomputed
+    from the JSON); one progress line for the whole run when stderr is not a terminal."""
+    trace = tmp_path / "t.npy"
+    np.save(trace, skewed_trace(T=12, L=2, N=16))
+    base = ["simulate", str(trace), "--cost", "analytic", "--model", "custom", "--hidden", "64",
+            "--intermediate", "32", "--top-k", "2", "--moe-layers", "10", "--num-gpus", "2,4",
+            "--window-size", "2", "--rebalance-interval", "2", "--gpus-per-node", "2",
+            "--tokens-per-gpu", "64", "--min-gain", "0"]
+    docs, outs = [], []
+    for extra in ([], ["--move-tolerance", "0.5", "--weighted-replicas", "--load-decay", "0.5",
+                       "--shift-threshold", "0"]):
+        out = tmp_path / f"s{len(docs)}.json"
+        code, stdout, err = run_main(base + extra + ["--json", str(out)], capsys)
+        assert code == 0, err
+        docs.append(json.loads(out.read_text()))
+        outs.append(stdout)
+        assert len([ln for ln in err.splitlines() if "planning and scoring" in ln]) == 1, err
+    header = outs[1].splitlines()[0]
+    assert ("move tolerance 0.5, weighted replicas on, load decay 0.5, min gain 0, shift threshold 0 (off)"
+            in header), header
+    assert "move tolerance 0.03, weighted replicas off, load decay 1, min gain 0, shift threshold 0.05" \
+        in outs[0].splitlines()[0]
+    opts = docs[1]["results"][0]["config"]["plan_options"]
+    assert opts == {"move_tolerance": 0.5, "weighted": True, "decay": 0.5, "min_gain": 0.0,
+                    "shift_threshold": 0.0}
+    # the settings change what default does
+    a, b = (d["results"][1]["rows"] for d in docs)
+    assert a["default"]["tokens_per_s"] != b["default"]["tokens_per_s"]
+    # each one reaches the plans: moves under tolerance 0 and 9, weighted shares, decay
+    from eplb.core.scale import PlanOptions
+    shape = ModelShape("c", 64, 32, 16, 2, 1, 10)
+
+    def default_blocks(**kw):
+        return plan_scale(skewed_trace(T=12, seed=1), shape, 4, 20, 4, 2, LinkModel(gpus_per_node=2),
+                          ("default",), opts=PlanOptions(shift_threshold=0.0, **kw))[1]["default"]
+    moved = [sum(b.record.experts_moved for b in default_blocks(move_tolerance=t)) for t in (0.0, 9.0)]
+    assert moved[0] > moved[1], moved
+    assert all(b.placement.shares is not None for b in default_blocks(weighted=True))
+    assert [b.record.predicted for b in default_blocks(decay=0.1)] != \
+        [b.record.predicted for b in default_blocks(decay=1.0)]
+    for doc, stdout in zip(docs, outs):
+        for r in doc["results"]:
+            ds, orc = r["rows"]["deepseek"]["tokens_per_s"], r["rows"]["oracle"]["tokens_per_s"]
+            for name, row in r["rows"].items():
+                line = next(x for x in stdout.splitlines() if x.split()[:1] == [name]
+                            and f"{row['tokens_per_s']:,.0f}" in x)
+                cells = line.split()
+                assert cells[3] == f"{row['tokens_per_s'] / ds:.3f}", (name, line)
+                assert cells[4] == f"{row['tokens_per_s'] / orc:.3f}", (name, line)
+
+
 def test_cli_cost_errors_are_one_line(tmp_path, capsys):
     trace = tmp_path / "t.npy"
     np.save(trace, skewed_trace(T=12, L=2, N=16))
@@ -300,3 +354,27 @@ def test_gpu_cost_switches_to_a_fitted_estimate():
     counts = np.array([[[5, 0, 2], [40, 30, 1]]])
     want = [1, 2, 7, 2, 2] @ coef, [1, 3, 71, 3, 3] @ coef
     assert np.allclose(c.estimate(counts)[0], want)
+
+
+def test_bench_issue29_ratios_and_plan_cache(tmp_path):
+    """benchmarks/issue29.py: its ratios are the replay's tokens/s over each other, the shift
+    figures differ from the no-shift ones on a shifting family, and plans read back from its
+    cache give the very same figures (what the GPU script relies on)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import issue29
+
+    direct = issue29.run("analytic", tmp_path / "a", 0.05, [8], ["deepseek-v3"], ["shift-zipf"])
+    assert [(r["ep"], r["preset"]) for r in direct["rows"]] == [(8, "decode"), (8, "prefill")]
+    for r in direct["rows"]:
+        t = r["tokens_per_s"]
+        assert r["default/deepseek"] == pytest.approx(t["default"] / t["deepseek"], rel=1e-12)
+        assert r["default/oracle"] == pytest.approx(t["default"] / t["oracle"], rel=1e-12)
+        assert r["noshift/oracle"] == pytest.approx(r["default_noshift"] / t["oracle"], rel=1e-12)
+        assert r["early_rebalances"] >= 1 and r["default/oracle"] > r["noshift/oracle"]
+    issue29._plans("deepseek-v3", "shift-zipf", 8, 0.05, tmp_path / "plans")  # fills the cache
+    cached = issue29.run("analytic", tmp_path / "b", 0.05, [8], ["deepseek-v3"], ["shift-zipf"],
+                         plans=tmp_path / "plans")
+    for a, b in zip(direct["rows"], cached["rows"]):
+        for k in ("tokens_per_s", "default_noshift", "moves_per_rebalance", "moves_per_rebalance_noshift",
+                  "early_rebalances", "shifted_plans"):
+            assert a[k] == b[k], k

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from eplb.core.policy import DEFAULT_MOVE_TOLERANCE
+from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD
 
 TRANSPORTS = ("nccl", "ipc", "auto")
 """Values of `EplbConfig.transport` (how weights travel; eplb.runtime.transports)."""
@@ -56,6 +57,14 @@ class EplbConfig:
     whenever the plan differs from the placement in force (a plan equal to it is always
     skipped: nothing to gain). Does not apply to `apply_placement()`. Default chosen on
     the shared traces (benchmarks/README.md, "Skipping rebalances that gain too little")."""
+    shift_threshold: float = DEFAULT_SHIFT_THRESHOLD
+    """Shift-aware rebalancing (`eplb.core.planning.ShiftState`): when the placement in
+    force balances the load recorded since the last plan worse than that plan predicted
+    by more than this (in balancedness), beyond the noise seen at earlier rebalances,
+    the load shifted: the next rebalance plans with move tolerance 0, and a check every
+    `control_interval` steps may start one early rebalance between two other rebalances
+    (bounded rate: at most one per `rebalance_interval`). 0 = off: the schedule alone,
+    with `move_tolerance` always. Measured in benchmarks/README.md (issue 29)."""
     zero_load_warn_steps: int = 100
     """At this step, warn once (rank 0) if no rank recorded any load in its window yet:
     the model is not adding the tokens each slot receives into `expert_load_view`
@@ -142,6 +151,7 @@ class EplbConfig:
         if not isinstance(self.move_tolerance, (int, float)) or not 0 <= self.move_tolerance < 10:
             raise ValueError(f"move_tolerance must be in [0, 10), got {self.move_tolerance!r}")
         check_min_gain(self.min_gain)
+        check_min_gain(self.shift_threshold, "shift_threshold")
         if (isinstance(self.zero_load_warn_steps, bool) or not isinstance(self.zero_load_warn_steps, int)
                 or self.zero_load_warn_steps < 0):
             raise ValueError(f"zero_load_warn_steps must be an int >= 0 (0 = never warn), "

@@ -7,6 +7,7 @@ Same inputs, same placement: nothing random, nothing read from the environment.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -99,6 +100,66 @@ def worth_moving(current: Placement, planned: Placement, load: np.ndarray,
     `load [L, N]`, moves nothing. `min_gain` 0 turns the gate off: any other plan moves."""
     gain = predicted_gain(current, planned, load)
     return (planned != current and (min_gain == 0 or gain >= min_gain)), gain
+
+
+DEFAULT_SHIFT_THRESHOLD = 0.05
+"""How far (in balancedness, mean over layers) the placement in force may fall below its
+plan's prediction, beyond the noise seen on steady load, before the load counts as
+shifted (see `ShiftState`); 0 turns shift detection off (benchmarks/README.md, issue 29)."""
+
+NOISE_HISTORY = 3  # gaps of the last checks without a shift that set the noise level
+
+
+@dataclass(frozen=True)
+class ShiftState:
+    """What shift detection remembers between rebalances (pure: every update returns a
+    new state). The simulator and the runtime both decide with it, so the replay
+    measures what the runtime does.
+
+    A gap is `predicted - measured`: the balancedness (mean over layers of mean/max GPU
+    load) the plan in force expected on its own window, minus what it gave on the load
+    recorded since. On a steady load the gap is noise: a plan fits its window a little,
+    more so at high EP and on few steps. `noise` keeps (gap, steps measured) of the last
+    checks that found no shift; their smallest, scaled to the steps of a new check by
+    sqrt(its steps / the new steps) (sampling noise of a sum of k steps falls as
+    1/sqrt(k)), is the gap expected without a shift. A shift is a gap above twice that
+    plus `threshold`. No decision before one gap was measured (nothing to compare to)."""
+
+    predicted: float | None = None  # what the plan in force expected; None before a plan
+    noise: tuple[tuple[float, int], ...] = ()  # (gap, steps) of the last checks without shift
+
+    def expected_gap(self, steps: int) -> float | None:
+        """The gap expected on `steps` steps of a steady load; None before any check."""
+        if not self.noise:
+            return None
+        return float(min(max(g, 0.0) * np.sqrt(k / steps) for g, k in self.noise))
+
+    def shifted(self, measured: float, steps: int, threshold: float = DEFAULT_SHIFT_THRESHOLD) -> bool:
+        """Whether `measured` (balancedness of the placement in force over the last `steps`
+        steps since it was put in force) shows a load shift; threshold 0: never."""
+        if threshold <= 0 or self.predicted is None or steps < 1 or not self.noise:
+            return False
+        expected = self.expected_gap(steps)
+        return bool(self.predicted - measured > threshold + 2 * expected)
+
+    def checked(self, measured: float, steps: int, shifted: bool) -> "ShiftState":
+        """The state after a check at a scheduled rebalance: a gap without shift joins
+        the noise history (at most NOISE_HISTORY kept)."""
+        if self.predicted is None or shifted or steps < 1:
+            return self
+        noise = (self.noise + ((self.predicted - measured, steps),))[-NOISE_HISTORY:]
+        return replace(self, noise=noise)
+
+    def planned(self, predicted: float) -> "ShiftState":
+        """The state once a plan (or a skipped plan's placement in force) expects `predicted`."""
+        return replace(self, predicted=float(predicted))
+
+
+def plan_tolerance(shifted: bool, move_tolerance: float) -> float:
+    """The move tolerance to plan with: 0 (re-plan for balance, whatever it moves) after a
+    load shift, else `move_tolerance` (keep experts where the load is steady). Old layouts
+    are what a shift makes wrong, so keeping them costs most then."""
+    return 0.0 if shifted else move_tolerance
 
 
 def check_min_gain(value: Any, name: str = "min_gain") -> float:

@@ -34,17 +34,19 @@ under every placement, so the gains here are upper bounds of whole-model gains.
 Trace and model may differ in their number of experts: `stack_experts` builds a model
 layer of N experts from N / N_trace consecutive trace layers (expert e of model layer l
 is expert e % N_trace of trace layer (l + e // N_trace) % L_trace), which keeps the
-per-expert skew of the measured loads. Pure numpy.
+per-expert skew of the measured loads. Pure numpy. About 430 lines: the shapes, the link
+and cost models and the replay that puts them together stay in one module.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
 from eplb.core.placement import Placement
-from eplb.core.planning import check_topology, positive_int
+from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD, check_topology, positive_int
+from eplb.core.policy import DEFAULT_MOVE_TOLERANCE
 from eplb.core.simulate import (Block, oracle_blocks, rebalance_steps, replay_policy)
 from eplb.core.workload import check_trace
 
@@ -264,23 +266,53 @@ class ScaleResult:
 
 
 def _blocks(kind: str, trace: np.ndarray, initial: Placement, steps: list[int], window: int,
-            kw: dict, min_gain: float) -> list[Block]:
+            kw: dict, opts: "PlanOptions", progress: Callable[[], None] | None) -> list[Block]:
     if kind == "static":
         return [Block(steps[0], trace.shape[0], initial, initial)]
     if kind == "oracle":
-        return oracle_blocks(trace, initial, steps, "default", dict(kw, weighted=True))
-    policy, weighted = {"deepseek": ("deepseek", False), "default": ("default", False),
-                        "default-weighted": ("default", True)}[kind]
-    return replay_policy(trace, initial, steps, window, policy, dict(kw, weighted=weighted),
-                         min_gain=min_gain)
+        return oracle_blocks(trace, initial, steps, "default", dict(kw, weighted=True), progress)
+    if kind == "deepseek":  # the published baseline: on the schedule, from scratch
+        return replay_policy(trace, initial, steps, window, "deepseek", kw, decay=opts.decay,
+                             min_gain=opts.min_gain, progress=progress)
+    weighted = True if kind == "default-weighted" else opts.weighted
+    return replay_policy(trace, initial, steps, window, "default",
+                         dict(kw, weighted=weighted, move_tolerance=opts.move_tolerance),
+                         decay=opts.decay, min_gain=opts.min_gain, progress=progress,
+                         shift_threshold=opts.shift_threshold)
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The runtime settings (`EplbConfig`) the planned placement kinds replay with."""
+
+    move_tolerance: float = DEFAULT_MOVE_TOLERANCE
+    weighted: bool = False  # weighted replicas for `default` (`default-weighted` always has them)
+    decay: float = 1.0  # load_decay of the window
+    min_gain: float = 0.0
+    shift_threshold: float = DEFAULT_SHIFT_THRESHOLD  # 0 = no shift-aware rebalancing
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("move_tolerance", "weighted", "decay", "min_gain",
+                                              "shift_threshold")}
+
+
+def plans_per_kind(T: int, interval: int) -> int:
+    """Scheduled plans of one planned kind over a trace of T steps (early ones come on top)."""
+    return len(rebalance_steps(T, interval, interval))
 
 
 def plan_scale(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots: int,
                window: int, interval: int, link: LinkModel = LinkModel(),
-               placements: Sequence[str] = PLACEMENTS, min_gain: float = 0.0
+               placements: Sequence[str] = PLACEMENTS, min_gain: float | None = None,
+               opts: PlanOptions = PlanOptions(),
+               progress: Callable[[], None] | None = None
                ) -> tuple[np.ndarray, dict[str, list[Block]]]:
     """The planning half of `scale_replay` (it does not depend on the token count or the
-    cost model, so sweeps reuse it): (loads [T, L, N], placement blocks per kind)."""
+    cost model, so sweeps reuse it): (loads [T, L, N], placement blocks per kind).
+    `opts`: the settings the policies replay with (`min_gain`, when given, overrides
+    `opts.min_gain`); `progress()` is called after each plan."""
+    if min_gain is not None:
+        opts = replace(opts, min_gain=min_gain)
     trace = check_trace(trace)
     M = positive_int(num_gpus, "num_gpus")
     P = positive_int(num_slots, "num_slots")
@@ -300,7 +332,8 @@ def plan_scale(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots: i
     steps = rebalance_steps(T, interval, interval)
     initial = Placement.initial(L, N, P, M, nodes)
     kw = dict(num_nodes=nodes, num_groups=groups)
-    return loads, {kind: _blocks(kind, loads, initial, steps, window, kw, min_gain) for kind in placements}
+    return loads, {kind: _blocks(kind, loads, initial, steps, window, kw, opts, progress)
+                   for kind in placements}
 
 
 def topology(shape: ModelShape, num_gpus: int, link: LinkModel) -> tuple[int, int]:
@@ -316,7 +349,8 @@ def scale_replay(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots:
                  link: LinkModel = LinkModel(), placements: Sequence[str] = PLACEMENTS,
                  serving_steps: int = 1000, min_gain: float = 0.0,
                  planned: tuple[np.ndarray, dict[str, list[Block]]] | None = None,
-                 progress: Callable[[], None] | None = None) -> ScaleResult:
+                 progress: Callable[[], None] | None = None,
+                 opts: PlanOptions = PlanOptions()) -> ScaleResult:
     """Tokens/s of each placement kind for `trace [T, L, N_trace]` served by `shape` on
     `num_gpus` GPUs with `num_slots` slots per layer (see the module docstring).
 
@@ -326,13 +360,14 @@ def scale_replay(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots:
     interval stands for (a trace step is an aggregate of many), over which a rebalance's
     time is spread (default 1000, SGLang's default rebalance period). Nodes are groups of `link.gpus_per_node`
     GPUs; the policies see them (and the model's expert groups when they fit the nodes).
-    `progress()` is called after each scored step of each placement."""
+    `progress()` is called after each scored step of each placement. `opts`: the runtime
+    settings the policies replay with (also those `planned` was made with, when given)."""
     M, P = positive_int(num_gpus, "num_gpus"), positive_int(num_slots, "num_slots")
     tokens_per_gpu = positive_int(tokens_per_gpu, "tokens_per_gpu")
     serving_steps = positive_int(serving_steps, "serving_steps")
     interval = positive_int(interval, "interval")
     loads, all_blocks = planned if planned is not None else plan_scale(
-        trace, shape, M, P, window, interval, link, placements, min_gain)
+        trace, shape, M, P, window, interval, link, placements, min_gain, opts)
     T, L, N = loads.shape
     nodes, groups = topology(shape, M, link)
     totals = loads.sum(-1, keepdims=True)  # [T, L, 1]
@@ -381,6 +416,7 @@ def scale_replay(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots:
               "trace_steps": T, "layers_replayed": L, "num_gpus": M, "num_slots": P,
               "nodes": nodes, "groups": groups, "tokens_per_gpu": tokens_per_gpu, "window": window,
               "interval": interval, "serving_steps": serving_steps, "min_gain": min_gain, "scored_steps": T - interval,
+              "plan_options": replace(opts, min_gain=min_gain).to_dict(),
               "link": {"gpus_per_node": link.gpus_per_node, "intra_GBps": link.intra_GBps,
                        "inter_GBps": link.inter_GBps,
                        "transfer_efficiency": link.transfer_efficiency}}

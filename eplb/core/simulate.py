@@ -35,8 +35,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from eplb.core.placement import Placement
-from eplb.core.planning import (DEFAULT_MIN_GAIN, check_min_gain, check_topology, plan, positive_int,
-                           worth_moving)
+from eplb.core.planning import (DEFAULT_MIN_GAIN, DEFAULT_SHIFT_THRESHOLD, ShiftState, check_min_gain,
+                                check_topology, plan, plan_tolerance, positive_int, worth_moving)
 from eplb.core.policy import DEFAULT_MOVE_TOLERANCE, get_policy
 from eplb.core.transfer_plan import transfer_stats
 from eplb.core.workload import check_trace, load_trace as read_trace  # re-exported for the CLI
@@ -57,13 +57,15 @@ class RebalanceRecord:
     predicted: float  # in-sample imbalance: the planning window's load on the placement in force after
     predicted_gain: float = 0.0  # balancedness of the plan minus the placement in force, on the window
     skipped: bool = False  # the plan gained less than min_gain: nothing moved
+    shifted: bool = False  # a load shift was detected: planned with move tolerance 0
+    early: bool = False  # an early rebalance between the scheduled ones (after a shift)
 
     def to_dict(self) -> dict:
         return {"step": self.step, "slots_changed": self.slots_changed,
                 "experts_moved": self.experts_moved, "local_copies": self.local_copies,
                 "bytes_moved": self.bytes_moved, "seconds_plan": self.seconds_plan,
                 "predicted_imbalance": self.predicted, "predicted_gain": self.predicted_gain,
-                "skipped": self.skipped}
+                "skipped": self.skipped, "shifted": self.shifted, "early": self.early}
 
 
 @dataclass
@@ -192,25 +194,62 @@ def _replay_blocks(trace: np.ndarray, initial: Placement, steps: Sequence[int],
 def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], window: int,
                   name: str, plan_kwargs: dict, decay: float = 1.0,
                   min_gain: float = DEFAULT_MIN_GAIN, bytes_per_expert: int | None = None,
-                  progress: Callable[[], None] | None = None) -> list[Block]:
+                  progress: Callable[[], None] | None = None,
+                  shift_threshold: float = 0.0) -> list[Block]:
     """Policy `name` replanning at each of `steps` on the last `window` steps of `trace
     [T, L, N]` with the placement in force as `previous` (out of sample); one Block per
-    plan, skipped plans (gain below `min_gain`) keeping the placement in force."""
-    M, P = initial.num_gpus, initial.num_slots
+    plan, skipped plans (gain below `min_gain`) keeping the placement in force.
 
-    def plan_block(s: int, e: int, current: Placement) -> tuple[Placement, RebalanceRecord]:
-        load = window_load(trace, s, window, decay)  # [L, N]
+    `shift_threshold` > 0 makes the replay shift-aware, as the runtime
+    (`EplbConfig.shift_threshold`, decided by `planning.ShiftState`): at a scheduled
+    plan, when the placement in force balances the steps recorded since the last plan
+    (at most `window`) worse than that plan predicted, beyond the noise of earlier
+    checks, the plan uses move tolerance 0; and after each step served, the same check on
+    the steps served since the last plan may start one early rebalance per interval
+    (bounded rate), planned with tolerance 0 on those steps only (the load since the
+    shift). 0: the schedule alone."""
+    M, P = initial.num_gpus, initial.num_slots
+    T = trace.shape[0]
+    made: list[tuple[int, Placement, Placement, RebalanceRecord]] = []
+    current, since, state = initial, 0, ShiftState()
+
+    def plan_at(s: int, load: np.ndarray, shifted: bool, early: bool) -> None:  # load [L, N]
+        nonlocal current, since, state
         t0 = time.perf_counter()
-        planned = plan(load, M, P, policy=name, previous=current, **plan_kwargs)
+        tol = plan_tolerance(shifted, plan_kwargs.get("move_tolerance", DEFAULT_MOVE_TOLERANCE))
+        planned = plan(load, M, P, policy=name, previous=current, **dict(plan_kwargs, move_tolerance=tol))
         move, gain = worth_moving(current, planned, load, min_gain)
         new = planned if move else current
         seconds = time.perf_counter() - t0
         st = transfer_stats(current.physical_to_logical, new.physical_to_logical, M, bytes_per_expert)
-        predicted = float(step_imbalance(load[None], new).mean())
-        return new, RebalanceRecord(s, st.slots_changed, st.experts_moved, st.local_copies,
-                                    st.bytes_moved, seconds, predicted, gain, not move)
+        rec = RebalanceRecord(s, st.slots_changed, st.experts_moved, st.local_copies, st.bytes_moved,
+                              seconds, float(step_imbalance(load[None], new).mean()), gain, not move,
+                              shifted, early)
+        made.append((s, new, current, rec))  # (start, placement, previous, record)
+        since = s  # checks measure from the last plan on (applied or skipped), as the runtime
+        current, state = new, state.planned(np.mean(new.balancedness(load)))
+        if progress:
+            progress()
 
-    return _replay_blocks(trace, initial, steps, plan_block, progress)
+    def measured(lo: int, hi: int) -> float:  # the placement in force on steps [lo, hi)
+        return float(np.mean(current.balancedness(trace[lo:hi].sum(0))))
+
+    ends = list(steps[1:]) + [T]
+    for s, e in zip(steps, ends):
+        shifted = False
+        lo = max(since, s - window)
+        if shift_threshold > 0 and lo < s:
+            got = measured(lo, s)
+            shifted = state.shifted(got, s - lo, shift_threshold)
+            state = state.checked(got, s - lo, shifted)
+        plan_at(s, window_load(trace, s, window, decay), shifted, early=False)
+        if shift_threshold > 0:
+            for t in range(s + 1, e):  # after step t - 1 was served
+                if state.shifted(measured(s, t), t - s, shift_threshold):
+                    plan_at(t, trace[s:t].sum(0), shifted=True, early=True)
+                    break
+    ends = [m[0] for m in made[1:]] + [T]
+    return [Block(s, e, new, old, rec) for (s, new, old, rec), e in zip(made, ends)]
 
 
 def oracle_blocks(trace: np.ndarray, initial: Placement, steps: Sequence[int], name: str,
@@ -242,6 +281,7 @@ def simulate(
     start: int | None = None,
     oracle: bool = True,
     progress: Callable[[], None] | None = None,
+    shift_threshold: float = DEFAULT_SHIFT_THRESHOLD,
 ) -> SimulationResult:
     """Replay `trace [T, L, N]` under each policy; see the module docstring.
 
@@ -251,7 +291,8 @@ def simulate(
     a plan that raises the window's predicted balancedness by less is not applied (a
     skipped rebalance, counted in the summary); the oracles ignore it. `oracle=False` skips
     the oracle references (they double the planning work). `progress()` is called after
-    every plan.
+    every plan. `shift_threshold`: as `EplbConfig.shift_threshold`, shift-aware
+    rebalancing (see `replay_policy`); 0 turns it off.
     """
     trace = check_trace(trace)
     T, L, N = trace.shape
@@ -268,6 +309,7 @@ def simulate(
             or not 0 <= move_tolerance < 10:
         raise ValueError(f"move_tolerance must be in [0, 10), got {move_tolerance!r}")
     min_gain = check_min_gain(min_gain)
+    shift_threshold = check_min_gain(shift_threshold, "shift_threshold")
     if bytes_per_expert is not None and (isinstance(bytes_per_expert, bool)
                                          or not isinstance(bytes_per_expert, int) or bytes_per_expert < 0):
         raise ValueError(f"bytes_per_expert must be an int >= 0, got {bytes_per_expert!r}")
@@ -299,7 +341,7 @@ def simulate(
               "num_nodes": num_nodes, "num_groups": num_groups, "window": window,
               "interval": interval, "start": start, "decay": float(decay),
               "move_tolerance": float(move_tolerance), "weighted": bool(weighted),
-              "min_gain": min_gain, "bytes_per_expert": bytes_per_expert, "policies": policies,
+              "min_gain": min_gain, "shift_threshold": shift_threshold, "bytes_per_expert": bytes_per_expert, "policies": policies,
               "rebalance_steps": steps}
 
     none_scores = step_imbalance(trace, initial)  # [T, L]
@@ -312,7 +354,7 @@ def simulate(
         res = PolicyResult(name, scores, start, L * P)
         for block in replay_policy(trace, initial, steps, window, name, kw, decay=decay,
                                    min_gain=min_gain, bytes_per_expert=bytes_per_expert,
-                                   progress=progress):
+                                   progress=progress, shift_threshold=shift_threshold):
             res.rebalances.append(block.record)
             scores[block.start:block.end] = step_imbalance(trace[block.start:block.end], block.placement)
         results[name] = res

@@ -320,7 +320,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     result = simulate(trace, a.num_gpus, a.num_slots, a.window_size, a.rebalance_interval,
                       policies=a.policy, num_nodes=a.num_nodes, num_groups=a.num_groups,
                       decay=a.load_decay, move_tolerance=a.move_tolerance,
-                      weighted=a.weighted_replicas, min_gain=a.min_gain,
+                      weighted=a.weighted_replicas, min_gain=a.min_gain, shift_threshold=a.shift_threshold,
                       bytes_per_expert=a.bytes_per_expert, start=a.start, oracle=not a.no_oracle,
                       progress=bar.update if bar else None)
     if bar:
@@ -332,7 +332,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     print(f"eplb simulate: {a.trace}: {steps_desc}, {L} layers x {N} experts; {a.num_gpus} GPUs, "
           f"{a.num_slots} slots, {a.num_nodes} node(s), {a.num_groups} group(s); window {a.window_size}, "
           f"interval {a.rebalance_interval}, decay {a.load_decay:g}, move tolerance "
-          f"{a.move_tolerance:g}, min gain {a.min_gain:g}{', weighted' if a.weighted_replicas else ''}")
+          f"{a.move_tolerance:g}, min gain {a.min_gain:g}, shift threshold {a.shift_threshold:g}"
+          f"{', weighted' if a.weighted_replicas else ''}")
     print(f"{len(cfg['rebalance_steps'])} rebalances per policy; steps {cfg['start']}..{T - 1} scored")
     print(format_table(result))
     if a.json:
@@ -461,6 +462,11 @@ def build_parser() -> argparse.ArgumentParser:
                          f"(default {EplbConfig.move_tolerance}, as EplbConfig)")
     sm.add_argument("--weighted-replicas", "--weighted", action=Setting, nargs=0, const=True,
                     default=EplbConfig.weighted_replicas, help="ask the policies for weighted replicas")
+    sm.add_argument("--shift-threshold", type=_float("--shift-threshold"), default=EplbConfig.shift_threshold,
+                    metavar="G", help="shift-aware rebalancing: a drop of the placement in force below its "
+                                      "plan's predicted balancedness by more than G beyond the noise "
+                                      "re-plans with move tolerance 0 and may rebalance early, once per "
+                                      f"interval (default {EplbConfig.shift_threshold}, as EplbConfig; 0 = off)")
     sm.add_argument("--min-gain", type=_float("--min-gain"), default=EplbConfig.min_gain, metavar="G",
                     help=f"skip a rebalance whose plan raises the window's predicted balancedness "
                          f"by less than G (default {EplbConfig.min_gain}, as EplbConfig; 0 = never)")

@@ -6,10 +6,12 @@ import time
 
 
 class ProgressBar:
-    """`\\r`-redrawn bar on a terminal; a line every ~10% elsewhere (logs, CI)."""
+    """`\\r`-redrawn bar on a terminal; elsewhere (logs, CI) a line every ~10%, or with
+    `lines=False` one line when it closes."""
 
-    def __init__(self, total: int, label: str = "", stream=None, width: int = 30):
+    def __init__(self, total: int, label: str = "", stream=None, width: int = 30, lines: bool = True):
         self.total, self.label, self.width = max(1, total), label, width
+        self.lines = lines
         self.stream = stream or sys.stderr
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.start = time.perf_counter()
@@ -24,7 +26,7 @@ class ProgressBar:
         frac = self.done / self.total
         if self.tty:
             self._draw(frac, end="")
-        elif int(frac * 10) != self._last_decile:
+        elif self.lines and int(frac * 10) != self._last_decile:
             self._last_decile = int(frac * 10)
             self._draw(frac, end="\n")
 
@@ -33,7 +35,7 @@ class ProgressBar:
         elapsed = time.perf_counter() - self.start
         rate = self.done / elapsed if elapsed > 0 else 0.0
         bar = "#" * filled + "-" * (self.width - filled)
-        prefix = "\r" if self.tty else ""
+        prefix = "\r\033[K" if self.tty else ""
         self.stream.write(f"{prefix}{self.label} [{bar}] {self.done}/{self.total} "
                           f"{rate:.1f} it/s {self.suffix}{end}")
         self.stream.flush()
@@ -53,3 +55,5 @@ class ProgressBar:
         if self.tty:
             self.stream.write("\n")
             self.stream.flush()
+        elif not self.lines:
+            self._draw(self.done / self.total, end="\n")

@@ -16,7 +16,8 @@ from typing import Sequence
 import numpy as np
 
 from eplb.core.scale import (MODEL_PRESETS, PLACEMENTS, TOKEN_PRESETS, AnalyticCost, LinkModel,
-                             ModelShape, ScaleResult, plan_scale, scale_replay)
+                             ModelShape, PlanOptions, ScaleResult, plan_scale, plans_per_kind,
+                             scale_replay)
 
 
 def add_cost_arguments(p: argparse.ArgumentParser) -> None:
@@ -121,23 +122,31 @@ def run_cost(a: argparse.Namespace, trace: np.ndarray, source: str) -> int:
     placements = [k for k in a.placements.split(",") if k]
     cost = make_cost(a.cost, shape, max(P // M for M, P in zip(Ms, slots)), tokens, a.tflops,
                      a.hbm_tbps)
+    opts = PlanOptions(move_tolerance=a.move_tolerance, weighted=a.weighted_replicas,
+                       decay=a.load_decay, min_gain=a.min_gain, shift_threshold=a.shift_threshold)
     print(f"eplb simulate --cost {a.cost}: {source}: {T} steps x {L} layers x {Nt} experts as "
           f"{shape.name} (H {shape.hidden}, I {shape.intermediate}, N {shape.num_experts}, "
           f"top-{shape.top_k}, {shape.num_moe_layers} MoE layers); {tokens} tokens/GPU/step; window "
-          f"{a.window_size}, interval {a.rebalance_interval} (= {a.serving_steps} model steps)")
+          f"{a.window_size}, interval {a.rebalance_interval} (= {a.serving_steps} model steps); "
+          f"{plan_options_text(opts)}")
+    # one bar for the whole run: every scheduled plan (the slow part), then every scored step
+    planned_kinds = sum(k not in ("static",) for k in placements)
+    n_plans = plans_per_kind(T, a.rebalance_interval) * planned_kinds
+    kinds = len(set(placements) | {"static"})
+    total = len(Ms) * (n_plans + (T - a.rebalance_interval) * kinds)
+    bar = ProgressBar(total, label="planning and scoring", lines=False)
     results: list[ScaleResult] = []
     for M, P in zip(Ms, slots):
+        bar.update(0, suffix=f"EP {M}: planning")
         planned = plan_scale(trace, shape, M, P, a.window_size, a.rebalance_interval, link,
-                             placements, a.min_gain)
-        n = sum(b.end - b.start for blocks in planned[1].values() for b in blocks)
-        bar = ProgressBar(n, label=f"EP {M}") if n >= 50 else None
+                             placements, opts=opts, progress=bar.update)
+        bar.update(0, suffix=f"EP {M}: scoring")
         res = scale_replay(trace, shape, M, P, tokens, a.window_size, a.rebalance_interval, cost, link,
                            placements, a.serving_steps, a.min_gain, planned=planned,
-                           progress=bar.update if bar else None)
-        if bar:
-            bar.close()
+                           progress=bar.update, opts=opts)
         results.append(res)
-        print(format_scale_table([res]), flush=True)
+        bar.write(format_scale_table([res]))
+    bar.close()
     if a.cost == "gpu":
         st = cost.stats()
         print(f"GPU ({st['device']}): {st['gemms_run']} grouped GEMMs timed, {st['cache_hits']} served "
@@ -157,18 +166,31 @@ def run_cost(a: argparse.Namespace, trace: np.ndarray, source: str) -> int:
     return 0
 
 
+def plan_options_text(opts: PlanOptions) -> str:
+    """The runtime settings a replay planned with, as the header shows them."""
+    return (f"move tolerance {opts.move_tolerance:g}, weighted replicas "
+            f"{'on' if opts.weighted else 'off'}, load decay {opts.decay:g}, min gain "
+            f"{opts.min_gain:g}, shift threshold {opts.shift_threshold:g}"
+            f"{' (off)' if opts.shift_threshold == 0 else ''}")
+
+
 def format_scale_table(results: Sequence[ScaleResult]) -> str:
     """One block per EP size: each placement's tokens/s, MoE layer time, gain over static,
-    GPU-idle fraction and rebalance cost."""
+    GPU-idle fraction and rebalance cost, and its tokens/s over deepseek's and the oracle's
+    (the ratios the planner is judged by; '-' where that row was not run)."""
     lines = []
     for res in results:
         c = res.config
         lines.append(f"EP {c['num_gpus']} ({c['num_slots']} slots, {c['nodes']} node(s)), "
                      f"{c['tokens_per_gpu']} tokens/GPU/step, {c['scored_steps']} steps scored")
-        lines.append(f"  {'placement':<17} {'tokens/s':>12} {'vs static':>9} {'layer ms':>9} "
-                     f"{'experts ms':>10} {'a2a ms':>7} {'idle':>6} {'moves ms/step':>13}")
+        lines.append(f"  {'placement':<17} {'tokens/s':>12} {'vs static':>9} {'/deepseek':>9} "
+                     f"{'/oracle':>7} {'layer ms':>9} {'experts ms':>10} {'a2a ms':>7} {'idle':>6} "
+                     f"{'moves ms/step':>13}")
+        ref = {k: res.rows[k].tokens_per_s for k in ("deepseek", "oracle") if k in res.rows}
         for name, r in res.rows.items():
+            ratio = [f"{r.tokens_per_s / ref[k]:.3f}" if k in ref else "-" for k in ("deepseek", "oracle")]
             lines.append(f"  {name:<17} {r.tokens_per_s:>12,.0f} {100 * res.gain_over_static(name):>+8.1f}% "
+                         f"{ratio[0]:>9} {ratio[1]:>7} "
                          f"{r.layer_ms:>9.3f} {r.compute_ms:>10.3f} {r.exchange_ms:>7.3f} "
                          f"{100 * r.idle:>5.1f}% {r.rebalance_ms_per_step:>13.3f}")
     return "\n".join(lines)

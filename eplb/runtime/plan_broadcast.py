@@ -111,12 +111,15 @@ class Rank0Planner:
                         "rebalance thread", e)
         return None
 
-    def plan_here(self, load: np.ndarray, previous: Placement) -> Placement:
-        """Rank 0's planning call (in the planner process when there is one)."""
+    def plan_here(self, load: np.ndarray, previous: Placement,
+                  move_tolerance: float | None = None) -> Placement:
+        """Rank 0's planning call (in the planner process when there is one);
+        `move_tolerance` None: the config's."""
         fn = self.process.plan if self.process is not None else plan
         c = self.config
+        tol = c.move_tolerance if move_tolerance is None else move_tolerance
         return fn(load, self.num_gpus, previous.num_slots, c.num_nodes, self.num_expert_groups,
-                  c.policy, previous=previous, move_tolerance=c.move_tolerance,
+                  c.policy, previous=previous, move_tolerance=tol,
                   weighted=c.weighted_replicas)
 
     def warm_up(self, previous: Placement) -> None:
@@ -126,13 +129,15 @@ class Rank0Planner:
         if self.rank == 0:
             self.plan_here(np.ones((previous.num_layers, previous.num_logical_experts)), previous)
 
-    def plan(self, load: np.ndarray, previous: Placement, group) -> Placement:
-        """Rank 0 plans on `load [L, N]`; every rank of `group` returns the same placement
-        (a planning error on rank 0 is raised there, RuntimeError on the others)."""
+    def plan(self, load: np.ndarray, previous: Placement, group,
+             move_tolerance: float | None = None) -> Placement:
+        """Rank 0 plans on `load [L, N]` (with `move_tolerance`, None: the config's); every
+        rank of `group` returns the same placement (a planning error on rank 0 is raised
+        there, RuntimeError on the others)."""
         L, P = previous.num_layers, previous.num_slots
 
         def make():
-            planned = self.plan_here(load, previous)
+            planned = self.plan_here(load, previous, move_tolerance)
             return planned.physical_to_logical, planned.shares
 
         try:

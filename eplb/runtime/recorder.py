@@ -22,6 +22,7 @@ class LoadRecorder:
         self.gpu_ring = torch.zeros(window_size, L, M, dtype=torch.int64, device=device)  # [W, L, M]
         self.steps_recorded = 0  # all steps ever recorded
         self.gpu_steps = 0  # steps in gpu_ring since the last placement change
+        self.plan_steps = 0  # steps since the last plan (`on_plan`), applied or skipped
 
     @property
     def fill(self) -> int:
@@ -39,6 +40,17 @@ class LoadRecorder:
         load_pass.zero_()
         self.steps_recorded += 1
         self.gpu_steps += 1
+        self.plan_steps += 1
+
+    @property
+    def steps_since_plan(self) -> int:
+        """Steps recorded since the last plan under the placement in force, at most the window:
+        what shift detection measures (`window_load(since_plan=True)`)."""
+        return min(self.plan_steps, self.gpu_steps, self.window_size)
+
+    def on_plan(self) -> None:
+        """A rebalance planned (applied or skipped): shift detection measures from here."""
+        self.plan_steps = 0
 
     def any_load(self) -> bool:
         """Whether this rank's window holds any load (one host read: not for every step)."""
@@ -48,8 +60,8 @@ class LoadRecorder:
         """This rank's per-GPU counts of the most recent step (not reduced over ranks)."""
         return self.gpu_ring[(self.steps_recorded - 1) % self.window_size]
 
-    def window_load(self, group: dist.ProcessGroup | None = None, decay: float = 1.0
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def window_load(self, group: dist.ProcessGroup | None = None, decay: float = 1.0,
+                    since_plan: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Window sums over all ranks: logical `[L, N]` and measured per-GPU `[L, M]`.
 
         `decay` weights the logical counts of the step `k` steps older than the newest by
@@ -57,9 +69,10 @@ class LoadRecorder:
         anything else float64 (weights and sums in float64 on the device). The per-GPU part
         is always a plain sum and covers only steps since the last placement change (older
         steps were counted under another placement). One all-reduce, nothing leaves the
-        device.
+        device. `since_plan`: both cover only the `steps_since_plan` last steps, logical
+        counts as a plain sum (what shift detection measures and an early rebalance plans on).
         """
-        logical, gpu = self.local_window(decay)  # [L, N], [L, M]
+        logical, gpu = self.local_window(decay, since_plan)  # [L, N], [L, M]
         both = torch.cat([logical, gpu.to(logical.dtype)], dim=1)  # [L, N + M]
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(both, group=group)
@@ -67,7 +80,8 @@ class LoadRecorder:
         # per-GPU sums are integers below 2**53, exact in float64
         return both[:, :N], both[:, N:].to(torch.int64)
 
-    def local_window(self, decay: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    def local_window(self, decay: float = 1.0, since_plan: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of `window_load`: the same sums, on the device, before the
         all-reduce (`EplbMetrics` folds them into its own one all-reduce). Logical `[L, N]`
         (int64, or float64 weighted decay**age when decay < 1) and per-GPU `[L, M]` int64
@@ -75,7 +89,13 @@ class LoadRecorder:
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {decay!r}")
         W = self.window_size
-        if decay == 1:
+        n_gpu = self.steps_since_plan if since_plan else min(self.gpu_steps, W)
+        # ring entries of the last n_gpu steps, indexed on the device (no host-to-device copy,
+        # which would wait for the work queued on the stream)
+        idx = (self.steps_recorded - 1 - torch.arange(n_gpu, device=self.gpu_ring.device)) % W  # [n]
+        if since_plan:
+            logical = self.logical_ring.index_select(0, idx).sum(0)  # [L, N] int64
+        elif decay == 1:
             logical = self.logical_ring.sum(0)  # [L, N] int64
         else:
             # ring entry i was written `age` steps before the newest one; unfilled entries are 0
@@ -84,10 +104,6 @@ class LoadRecorder:
             weight = torch.pow(torch.full((W,), float(decay), dtype=torch.float64,
                                           device=age.device), age)  # [W]
             logical = torch.tensordot(weight, self.logical_ring.to(torch.float64), dims=1)  # [L, N]
-        n_gpu = min(self.gpu_steps, W)
-        # ring entries of the last n_gpu steps, indexed on the device (no host-to-device copy,
-        # which would wait for the work queued on the stream)
-        idx = (self.steps_recorded - 1 - torch.arange(n_gpu, device=self.gpu_ring.device)) % W  # [n]
         gpu = self.gpu_ring.index_select(0, idx).sum(0)  # [L, M] (zeros when n_gpu == 0)
         return logical, gpu
 

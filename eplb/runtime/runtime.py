@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from eplb.core.config import EplbConfig
 from eplb.core.placement import Placement, balancedness_of_gpu_loads
-from eplb.core.planning import predicted_gain, worth_moving
+from eplb.core.planning import ShiftState, plan_tolerance, predicted_gain, worth_moving
 from eplb.core.transfer_plan import transfer_stats
 from eplb.protocol import (ForwardCounter, MixtureOfExperts, is_unwrapped_hf_model,
                            missing_members, supports_replica_weights)
@@ -142,6 +142,8 @@ class EplbRuntime:
 
         self.recorder = LoadRecorder(L, N, self.world_size, S, self.config.window_size, self.device)
         self.steps = 0
+        self._shift = ShiftState()  # shift detection (EplbConfig.shift_threshold), same as the simulator's
+        self._early_used = False  # an early (shift) rebalance ran in this rebalance interval
         self.events: list[RebalanceEvent] = []
         self._listeners: list[Callable[[RebalanceEvent], None]] = []
         self._failure_listeners: list[Callable[[str, BaseException], None]] = []
@@ -256,7 +258,23 @@ class EplbRuntime:
             return self._start("request", self.requests.start(self.steps))
         if interval and self.steps % interval == 0:
             return self._start("interval")
+        if control and self.steps % control == 0 and self._shift_now():
+            return self._start("shift")
         return None
+
+    def _shift_now(self) -> bool:
+        """Shift-aware early rebalance (`EplbConfig.shift_threshold`): whether the load
+        recorded since the last plan shows a shift (`ShiftState.shifted`, the
+        same decision as the simulator's), at most once between two other rebalances. Collective
+        when it checks: one all-reduce of the window and one host read, every
+        `control_interval` steps while a plan's prediction is known."""
+        thr = self.config.shift_threshold
+        steps = self.recorder.steps_since_plan
+        if not thr or self._early_used or self._shift.predicted is None or steps < 1:
+            return False  # the same on every rank: config, step counts and the state agree
+        _, gpu = self.recorder.window_load(self.group, since_plan=True)  # [L, M] all-reduced
+        measured = float(np.mean(balancedness_of_gpu_loads(gpu.cpu().numpy())))
+        return self._shift.shifted(measured, steps, thr)
 
     def _warn_if_no_load(self) -> None:
         """Warn once (rank 0) when no rank recorded any load so far: the model is not
@@ -309,8 +327,12 @@ class EplbRuntime:
         """Begin a rebalance planned on the recorded window (rank 0 plans, then broadcasts).
         A plan that gains less than `config.min_gain` moves nothing (a skipped rebalance);
         an all-zero window is not planned on at all (skipped, reason NO_LOAD)."""
-        info = {"request_ids": request_ids or [], "t_start": time.perf_counter(), "trigger": trigger}
-        read_window = self._window_reader(info)  # collective: the window's all-reduce
+        info = {"request_ids": request_ids or [], "t_start": time.perf_counter(), "trigger": trigger,
+                "steps": self.recorder.steps_since_plan}
+        early = trigger == "shift"  # plans on the load since the last plan, with tolerance 0
+        self._early_used = early  # the bounded rate: one early rebalance between two other plans
+        read_window = self._window_reader(info, since_plan=early)  # collective: the all-reduce
+        self.recorder.on_plan()  # shift detection measures from this plan on
 
         def plan_fn() -> Placement:
             t0 = time.perf_counter()
@@ -319,24 +341,38 @@ class EplbRuntime:
                 info.update(skipped=True, skip_reason=NO_LOAD, predicted_gain=0.0,
                             seconds_plan=time.perf_counter() - t0)
                 return self.placement
-            planned = self.planner.plan(info["load"], self.placement, self.groups.plan)
+            steps = info["steps"]
+            measured = float(np.mean(info["measured"]))
+            shifted = early or self._shift.shifted(measured, steps, self.config.shift_threshold)
+            if not early:
+                self._shift = self._shift.checked(measured, steps, shifted)
+            info["shifted"] = shifted
+            tol = plan_tolerance(shifted, self.config.move_tolerance)
+            planned = self.planner.plan(info["load"], self.placement, self.groups.plan, move_tolerance=tol)
             # the same decision on every rank: same broadcast plan, same all-reduced load
             move, info["predicted_gain"] = worth_moving(
                 self._realised(self.placement), self._realised(planned), info["load"],
                 self.config.min_gain)
             info["skipped"] = not move
             info["seconds_plan"] = time.perf_counter() - t0
-            return planned if move else self.placement
+            chosen = planned if move else self.placement
+            self._shift = self._shift.planned(np.mean(self._realised(chosen).balancedness(info["load"])))
+            return chosen
 
         return self._begin(plan_fn, info, self.config.async_rebalance)
 
-    def _window_reader(self, info: dict) -> Callable[[], None]:
+    def _window_reader(self, info: dict, since_plan: bool = False) -> Callable[[], None]:
         """All-reduce the recorded window now (a collective, on the step loop) and return
         the function that fills `info` from it on the host: "load" [L, N] (what the planner
         sees) and "before" [L] (balancedness measured from the per-GPU window). In
         asynchronous mode that function runs in the rebalance thread, after the
         all-reduce's kernels, so the step loop never waits for the copy."""
-        logical, gpu = self.recorder.window_load(self.group, decay=self.config.load_decay)  # [L, N], [L, M]
+        logical, gpu = self.recorder.window_load(self.group, decay=self.config.load_decay,
+                                                 since_plan=since_plan)  # [L, N], [L, M]
+        # what shift detection measures: the steps since the last plan (one more small all-reduce)
+        recent = gpu  # [L, M]
+        if not since_plan and self.config.shift_threshold:
+            recent = self.recorder.window_load(self.group, since_plan=True)[1]
         window_done = None
         if self.device.type == "cuda":  # read() may run on another thread and stream
             window_done = torch.cuda.Event()
@@ -347,6 +383,7 @@ class EplbRuntime:
                 torch.cuda.current_stream(self.device).wait_event(window_done)
             info["load"] = logical.cpu().numpy().astype(np.float64)  # [L, N]
             info["before"] = balancedness_of_gpu_loads(gpu.cpu().numpy())  # [L]
+            info["measured"] = balancedness_of_gpu_loads(recent.cpu().numpy())  # [L]
 
         return read
 

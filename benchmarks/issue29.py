@@ -1,0 +1,274 @@
+"""Issue 29: default against deepseek and the oracle in tokens/s, EP 8 to 256, every trace.
+
+    python benchmarks/issue29.py --cost analytic --out /tmp/i29        # CPU roofline
+    python benchmarks/issue29.py --cost gpu --out $OUT                 # expert work timed on a GPU
+
+Runs `eplb.core.scale` (what `eplb simulate --cost` runs; window and interval 4, one
+spare slot per GPU, decode 128 and prefill 4,096 tokens per GPU) over:
+
+- the shared traces of benchmarks/scale.py (`esft`, `olmoe`) on DeepSeek-V3 and Qwen3-235B
+  shapes (64-expert traces stacked to 256 and 128 experts; Qwen3 up to EP 128);
+- synthetic families (256 experts, 4 layers, 40 steps, each step 2**17 token-expert
+  choices per layer drawn from the step's shares, fixed seeds):
+  `shift-zipf` (Zipf 1.0 popularity whose expert order is redrawn every 8 steps: a domain
+  change at every second rebalance), `shift-lognormal` (lognormal(0, 1), redrawn every 12
+  steps: shifts between rebalances), `steady-lognormal` (lognormal(0, 1), fixed),
+  `drift` (a smooth cosine mix of two Zipf 1.0 profiles);
+
+with the default planner shift-aware (`--shift-threshold`, default the runtime's) and not
+(`0`), against deepseek (schedule only, as published) and the oracle. Prints one table per
+model, trace and preset: tokens/s ratios default/deepseek and default/oracle, and the
+moves per rebalance. Writes `issue29.json` under `--out` (after every row).
+`--plan-only --plans DIR --jobs J` plans every configuration first in J processes (the
+CPU part); a later run with the same `--plans` only scores (benchmarks/issue29_gpu.sh).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from eplb.core.placement import Placement  # noqa: E402
+from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD  # noqa: E402
+from eplb.core.scale import (MODEL_PRESETS, TOKEN_PRESETS, LinkModel, PlanOptions,  # noqa: E402
+                             plan_scale, scale_replay, topology)
+from eplb.core.simulate import Block, RebalanceRecord  # noqa: E402
+from eplb.core.transfer_plan import transfer_stats  # noqa: E402
+from eplb.ops.scale_report import make_cost  # noqa: E402
+from scale import SHARED, traces as shared_traces  # noqa: E402
+
+EP_SIZES = (8, 16, 32, 64, 128, 256)
+WINDOW = INTERVAL = 4
+KINDS = ("static", "deepseek", "default", "oracle")
+
+
+def _sample(shares: np.ndarray, rng: np.random.Generator, choices: int = 2 ** 17) -> np.ndarray:
+    """[T, L, N] shares -> [T, L, N] counts: `choices` multinomial draws per step and layer."""
+    T, L, N = shares.shape
+    out = np.empty(shares.shape)
+    for t in range(T):
+        for layer in range(L):
+            p = shares[t, layer]
+            out[t, layer] = rng.multinomial(choices, p / p.sum())
+    return out
+
+
+def synthetic(T: int = 40, L: int = 4, N: int = 256) -> dict[str, np.ndarray]:
+    """name -> [T, L, N] counts (see the module docstring)."""
+    rng = np.random.default_rng(29)
+
+    def zipf() -> np.ndarray:  # [L, N]
+        return 1.0 / (np.argsort(rng.random((L, N)), 1) + 1.0)
+
+    def lognormal() -> np.ndarray:  # [L, N]
+        return rng.lognormal(0.0, 1.0, (L, N))
+
+    out = {}
+    out["shift-zipf"] = np.concatenate([np.repeat(zipf()[None], 8, 0) for _ in range(T // 8)])
+    out["shift-lognormal"] = np.concatenate([np.repeat(lognormal()[None], 12, 0)
+                                             for _ in range(-(-T // 12))])[:T]
+    out["steady-lognormal"] = np.repeat(lognormal()[None], T, 0)
+    a, b = zipf(), zipf()
+    x = (1 - np.cos(np.pi * np.arange(T) / T)) / 2  # [T] 0 -> 1
+    out["drift"] = (1 - x)[:, None, None] * a / a.sum(1, keepdims=True) + x[:, None, None] * b / b.sum(1, keepdims=True)
+    return {k: _sample(v, rng) for k, v in out.items()}
+
+
+def _plans(model: str, name: str, M: int, shift: float, plans: Path | None):
+    """{"shift": (loads, blocks), "noshift": ...} for one model, trace and EP size; read from
+    / written to `plans` when given (planning is the CPU part: `--plan-only` fills the cache
+    with several processes, a GPU run then only times kernels)."""
+    shape = MODEL_PRESETS[model]
+    f = None if plans is None else plans / f"{model}-{name}-M{M}-shift{shift:g}.npz"
+    if f is not None and f.exists():
+        return _load(f, M, shape)
+    loads = _all_loads()[name]
+    P = shape.num_experts + M
+    out = {}
+    for label, thr in (("shift", shift), ("noshift", 0.0)):
+        kinds = KINDS if label == "shift" else ("static", "default")
+        out[label] = plan_scale(loads, shape, M, P, WINDOW, INTERVAL, LinkModel(), kinds,
+                                opts=PlanOptions(shift_threshold=thr))
+    if f is not None:
+        _save(f, out)
+    return out
+
+
+def _save(f: Path, out: dict) -> None:
+    arrays = {}
+    for label, (loads, blocks) in out.items():
+        arrays[f"{label}/loads"] = loads
+        for kind, bs in blocks.items():
+            k = f"{label}/{kind}"
+            arrays[k + "/span"] = np.array([[b.start, b.end] for b in bs])  # [B, 2]
+            arrays[k + "/p2l"] = np.stack([b.placement.physical_to_logical for b in bs])  # [B, L, P]
+            arrays[k + "/prev"] = bs[0].previous.physical_to_logical  # [L, P]
+            arrays[k + "/flags"] = np.array([[b.record is not None and b.record.early,
+                                              b.record is not None and b.record.shifted,
+                                              b.record is not None and b.record.skipped] for b in bs])
+            arrays[k + "/shares"] = np.stack([b.placement.slot_shares() for b in bs])  # [B, L, P]
+            arrays[k + "/weighted"] = np.array([b.placement.shares is not None for b in bs])
+    f.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(f, **arrays)
+
+
+def _load(f: Path, M: int, shape) -> dict:
+    """The cached plans as Blocks; records carry the flags and the recounted moves."""
+    z = np.load(f)
+    nodes, _ = topology(shape, M, LinkModel())
+    out = {}
+    for label in ("shift", "noshift"):
+        loads = z[f"{label}/loads"]
+        N = loads.shape[-1]
+        blocks = {}
+        kinds = sorted({k.split("/")[1] for k in z.files if k.startswith(label + "/") and k.count("/") == 2},
+                       key=KINDS.index)
+        for kind in kinds:
+            k = f"{label}/{kind}"
+            prev = Placement(z[k + "/prev"], N, M, nodes)
+            bs = []
+            for (s, e), p2l, sh, w, (early, shifted, skipped) in zip(
+                    z[k + "/span"], z[k + "/p2l"], z[k + "/shares"], z[k + "/weighted"], z[k + "/flags"]):
+                pl = Placement(p2l, N, M, nodes, kind, sh if w else None)
+                if pl == prev:
+                    pl = prev
+                moved = transfer_stats(prev.physical_to_logical, p2l, M).experts_moved
+                rec = None if kind in ("static", "oracle") else RebalanceRecord(
+                    int(s), 0, moved, 0, None, 0.0, 0.0, 0.0, bool(skipped), bool(shifted), bool(early))
+                bs.append(Block(int(s), int(e), pl, prev, rec))
+                prev = pl
+            blocks[kind] = bs
+        out[label] = (loads, blocks)
+    return out
+
+
+_LOADS: dict = {}
+
+
+SHARED_DIR = [SHARED]  # --shared: where the shared traces are (olmoe is left out without them)
+
+
+def _all_loads() -> dict[str, np.ndarray]:
+    if not _LOADS:
+        _LOADS.update(shared_traces(SHARED_DIR[0]))
+        _LOADS.update(synthetic())
+    return _LOADS
+
+
+def configs(eps, models, names) -> list[tuple[str, str, int]]:
+    """(model, trace, EP) of the run: traces whose experts divide the model's, EP sizes that
+    divide its experts (Qwen3's 128 at EP 256 would need N + 256 slots on 256 GPUs)."""
+    loads = _all_loads()
+    missing = [n for n in names if n not in loads]
+    if missing:
+        print(f"left out (no such trace here: see --shared): {', '.join(missing)}", flush=True)
+    return [(m, n, M) for m in models for n in names if n in loads
+            if MODEL_PRESETS[m].num_experts % loads[n].shape[-1] == 0 for M in eps
+            if MODEL_PRESETS[m].num_experts % M == 0]  # N + M slots must divide over M GPUs
+
+
+def _plan_job(args) -> str:
+    model, name, M, shift, plans = args
+    t0 = time.perf_counter()
+    _plans(model, name, M, shift, plans)
+    return f"planned {model} {name} EP {M} in {time.perf_counter() - t0:.1f} s"
+
+
+def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path | None = None) -> dict:
+    link = LinkModel()
+    doc = {"date": datetime.date.today().isoformat(), "cost": cost_kind, "shift_threshold": shift,
+           "rows": []}
+    out.mkdir(parents=True, exist_ok=True)
+    costs = {}
+    for model, name, M in configs(eps, models, names):
+        shape = MODEL_PRESETS[model]
+        if model not in costs:
+            costs[model] = {p: make_cost(cost_kind, shape, 1 + shape.num_experts // 8 + 1, t)
+                            for p, t in TOKEN_PRESETS.items()}
+        P = shape.num_experts + M
+        if plans is not None and not (plans / f"{model}-{name}-M{M}-shift{shift:g}.npz").exists():
+            print(f"{model} {name} EP {M}: not in {plans} (planning was cut short): left out", flush=True)
+            continue
+        t0 = time.perf_counter()
+        variants = _plans(model, name, M, shift, plans)
+        t_plan = time.perf_counter() - t0
+        trace = variants["shift"][0]
+        for preset, tokens in TOKEN_PRESETS.items():
+            res = {label: scale_replay(trace, shape, M, P, tokens, WINDOW, INTERVAL,
+                                       costs[model][preset], link, planned=pl,
+                                       opts=PlanOptions(shift_threshold=thr))
+                   for (label, pl), thr in zip(variants.items(), (shift, 0.0))}
+            r, r0 = res["shift"].rows, res["noshift"].rows
+            tps = {k: v.tokens_per_s for k, v in r.items()}
+            blocks = variants["shift"][1]["default"]
+            blocks0 = variants["noshift"][1]["default"]
+            row = {"model": model, "trace": name, "ep": M, "preset": preset,
+                   "tokens_per_s": tps, "default_noshift": r0["default"].tokens_per_s,
+                   "default/deepseek": tps["default"] / tps["deepseek"],
+                   "default/oracle": tps["default"] / tps["oracle"],
+                   "noshift/deepseek": r0["default"].tokens_per_s / tps["deepseek"],
+                   "noshift/oracle": r0["default"].tokens_per_s / tps["oracle"],
+                   "moves_per_rebalance": _moves(blocks), "moves_per_rebalance_noshift": _moves(blocks0),
+                   "early_rebalances": sum(b.record.early for b in blocks if b.record),
+                   "shifted_plans": sum(b.record.shifted for b in blocks if b.record),
+                   "plan_s": round(t_plan, 1)}
+            doc["rows"].append(row)
+            print(f"{model:<12} {name:<17} EP {M:>3} {preset:<7} default/deepseek "
+                  f"{row['default/deepseek']:.3f} (no shift {row['noshift/deepseek']:.3f})  "
+                  f"default/oracle {row['default/oracle']:.3f} (no shift {row['noshift/oracle']:.3f})  "
+                  f"moves/rebalance {row['moves_per_rebalance']:.1f} (no shift "
+                  f"{row['moves_per_rebalance_noshift']:.1f}), early {row['early_rebalances']}, "
+                  f"shifted {row['shifted_plans']}", flush=True)
+            (out / "issue29.json").write_text(json.dumps(doc) + "\n")  # after every row: partial runs keep theirs
+    if cost_kind == "gpu":
+        doc["gpu"] = {m: {p: c.stats() for p, c in cs.items()} for m, cs in costs.items()}
+        (out / "issue29.json").write_text(json.dumps(doc) + "\n")
+    return doc
+
+
+def _moves(blocks) -> float:
+    """Mean remote expert receives per rebalance that moved something."""
+    moved = [b.record.experts_moved for b in blocks if b.record and not b.record.skipped]
+    return float(np.mean(moved)) if moved else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cost", choices=["analytic", "gpu"], default="analytic")
+    ap.add_argument("--out", type=Path, default=None, help="where issue29.json goes (required unless --plan-only)")
+    ap.add_argument("--shift-threshold", type=float, default=DEFAULT_SHIFT_THRESHOLD)
+    ap.add_argument("--ep", default=",".join(map(str, EP_SIZES)))
+    ap.add_argument("--models", default="deepseek-v3,qwen3-235b")
+    ap.add_argument("--traces", default="esft,olmoe,shift-zipf,shift-lognormal,steady-lognormal,drift")
+    ap.add_argument("--plans", type=Path, default=None, help="cache of the plans (npz per configuration)")
+    ap.add_argument("--plan-only", action="store_true", help="fill --plans and stop (no cost replay)")
+    ap.add_argument("--jobs", type=int, default=1, help="--plan-only: planning processes")
+    ap.add_argument("--shared", type=Path, default=SHARED, help=f"the shared traces' npy folder (default {SHARED})")
+    a = ap.parse_args()
+    SHARED_DIR[0] = a.shared
+    eps, models, names = [int(x) for x in a.ep.split(",")], a.models.split(","), a.traces.split(",")
+    if a.plan_only:
+        if a.plans is None:
+            ap.error("--plan-only needs --plans")
+        jobs = [(m, n, M, a.shift_threshold, a.plans) for m, n, M in configs(eps, models, names)]
+        jobs.sort(key=lambda j: -j[2])  # the largest EP first: they take longest
+        import multiprocessing
+        with multiprocessing.get_context("fork").Pool(max(1, a.jobs)) as pool:
+            for line in pool.imap_unordered(_plan_job, jobs):
+                print(line, flush=True)
+        return
+    if a.out is None:
+        ap.error("--out is required (unless --plan-only)")
+    run(a.cost, a.out, a.shift_threshold, eps, models, names, a.plans)
+
+
+if __name__ == "__main__":
+    main()
