@@ -233,7 +233,7 @@ def test_cli_cost_honours_the_runtime_settings_and_prints_ratios(tmp_path, capsy
         in outs[0].splitlines()[0]
     opts = docs[1]["results"][0]["config"]["plan_options"]
     assert opts == {"move_tolerance": 0.5, "weighted": True, "decay": 0.5, "min_gain": 0.0,
-                    "shift_threshold": 0.0}
+                    "shift_threshold": 0.0, "read_tokens": 0.0, "step_choices": 0.0}
     # the settings change what default does
     a, b = (d["results"][1]["rows"] for d in docs)
     assert a["default"]["tokens_per_s"] != b["default"]["tokens_per_s"]

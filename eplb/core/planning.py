@@ -28,6 +28,8 @@ def plan(
     *,
     move_tolerance: float = DEFAULT_MOVE_TOLERANCE,
     weighted: bool = False,
+    read_tokens: float = 0.0,
+    step_choices: float = 0.0,
 ) -> Placement:
     """Compute a placement for `load` ([L, N] or [T, L, N], numpy or torch; T is summed).
 
@@ -35,7 +37,10 @@ def plan(
     num_nodes nodes; num_groups expert groups (DeepSeek's node-limited routing groups).
     `previous` is the placement in use, for policies that limit movement;
     `move_tolerance` is how much extra relative imbalance such a policy may accept to keep
-    experts in place; `weighted` asks for per-slot shares (weighted replicas).
+    experts in place; `weighted` asks for per-slot shares (weighted replicas);
+    `read_tokens` > 0 makes the planner decode-aware: a slot's weight read costs that many
+    tokens whenever the slot gets a token, out of `step_choices` token-expert choices per
+    step and layer (`eplb.core.policy.reads`).
 
     An all-zero load (or an all-zero layer) is legitimate, e.g. a window with no traffic:
     it gives a valid placement (every expert has a replica, no division by zero); all
@@ -58,7 +63,12 @@ def plan(
     if isinstance(move_tolerance, bool) or not isinstance(move_tolerance, (int, float)) \
             or not 0 <= move_tolerance < 10:
         raise ValueError(f"move_tolerance must be in [0, 10), got {move_tolerance!r}")
-    options = PolicyOptions(move_tolerance=float(move_tolerance), weighted=bool(weighted))
+    read_tokens = check_read_tokens(read_tokens)
+    step_choices = check_read_tokens(step_choices, "step_choices")
+    if read_tokens > 0 and step_choices <= 0:
+        raise ValueError("read_tokens needs step_choices > 0 (token-expert choices per step and layer)")
+    options = PolicyOptions(move_tolerance=float(move_tolerance), weighted=bool(weighted),
+                            read_tokens=read_tokens, step_choices=step_choices)
 
     big = load.max(axis=1) > _RESCALE_ABOVE  # [L]: sums of such loads could overflow to inf
     if big.any():
@@ -167,6 +177,13 @@ def check_min_gain(value: Any, name: str = "min_gain") -> float:
     ValueError naming `name`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
         raise ValueError(f"{name} must be a gain in balancedness in [0, 1), got {value!r}")
+    return float(value)
+
+
+def check_read_tokens(value: Any, name: str = "read_tokens") -> float:
+    """A finite number >= 0 (not a bool), as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return float(value)
 
 

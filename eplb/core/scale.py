@@ -276,7 +276,8 @@ def _blocks(kind: str, trace: np.ndarray, initial: Placement, steps: list[int], 
                              min_gain=opts.min_gain, progress=progress)
     weighted = True if kind == "default-weighted" else opts.weighted
     return replay_policy(trace, initial, steps, window, "default",
-                         dict(kw, weighted=weighted, move_tolerance=opts.move_tolerance),
+                         dict(kw, weighted=weighted, move_tolerance=opts.move_tolerance,
+                              read_tokens=opts.read_tokens, step_choices=opts.step_choices),
                          decay=opts.decay, min_gain=opts.min_gain, progress=progress,
                          shift_threshold=opts.shift_threshold)
 
@@ -290,10 +291,12 @@ class PlanOptions:
     decay: float = 1.0  # load_decay of the window
     min_gain: float = 0.0
     shift_threshold: float = DEFAULT_SHIFT_THRESHOLD  # 0 = no shift-aware rebalancing
+    read_tokens: float = 0.0  # decode-aware packing: tokens a weight read costs (0 = off)
+    step_choices: float = 0.0  # token-expert choices per step and layer the plans assume
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("move_tolerance", "weighted", "decay", "min_gain",
-                                              "shift_threshold")}
+                                              "shift_threshold", "read_tokens", "step_choices")}
 
 
 def plans_per_kind(T: int, interval: int) -> int:

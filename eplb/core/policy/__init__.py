@@ -25,6 +25,8 @@ class PolicyOptions:
 
     move_tolerance: float = DEFAULT_MOVE_TOLERANCE  # extra relative imbalance accepted to keep experts in place
     weighted: bool = False  # return (physical_to_logical, shares) with per-slot shares
+    read_tokens: float = 0.0  # decode-aware packing: a weight read costs this many tokens (0 = off)
+    step_choices: float = 0.0  # token-expert choices per step and layer (what read_tokens is set against)
 
 
 class PolicyFn(Protocol):

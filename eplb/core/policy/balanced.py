@@ -32,6 +32,8 @@ The modules, one job each:
 - `topology`: expert groups onto nodes, then every (layer, node) is a row; on small
   problems a second candidate starts from DeepSeek's hierarchical placement (duplicates
   repaired) and the better one is kept per layer;
+- `reads`: decode-aware packing (`options.read_tokens`): pair exchanges that balance tokens
+  plus the weight reads of slots that may get no token in a step;
 - `shares`: weighted replicas (water-filling shares, and the wrap-around chain: a
   placement built so that shares can reach the mean GPU load exactly).
 
@@ -44,6 +46,7 @@ from __future__ import annotations
 import numpy as np
 
 from eplb.core.policy.moves import plan_rows
+from eplb.core.policy.reads import spread_reads
 from eplb.core.policy.shares import plan_shares, replica_shares
 from eplb.core.policy.topology import plan_hierarchical
 
@@ -86,6 +89,11 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
     the hierarchical case the previous group-to-node assignment is kept while its max
     node load is within the same tolerance.
 
+    `options.read_tokens` > 0 (decode-aware packing, not with weighted replicas): a last
+    pass balances tokens plus the weight reads of slots that may get no token in a step
+    (`options.step_choices` token-expert choices per step; see `reads`), kept per row when
+    it lowers the largest GPU cost by more than tol (any gain without `previous`).
+
     `options.weighted`: also return per-slot shares [L, P] (each expert's shares sum to
     1). With shares, balance is limited only by where the replicas are (a flow problem),
     so the planner also builds a placement for them: the wrap-around chain of
@@ -118,5 +126,11 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
     else:
         p2l = plan_rows(w, P, M, prev, tol)
     if not weighted:
+        reads = 0.0 if options is None else float(options.read_tokens)
+        if reads > 0:  # decode-aware: spread the weight reads of cold slots (`reads`)
+            rows = k if hierarchical else 1
+            p2l = spread_reads(w, p2l.reshape(L * rows, P // rows), M // rows,
+                               float(options.step_choices), reads, rows,
+                               min_gain=tol if prev is not None else 0.0).reshape(L, P)
         return p2l
     return plan_shares(w, p2l, M, k, hierarchical, prev, tol)

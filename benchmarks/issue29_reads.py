@@ -1,0 +1,91 @@
+"""Issue 29, target 3: decode-aware packing (`read_tokens`) against the default and deepseek.
+
+    python benchmarks/issue29_reads.py --out /tmp/i29reads                 # EP 8-32, 16/32/128 tokens per GPU
+    python benchmarks/issue29_reads.py --ep 8 --tokens 16 --read-tokens 100,250 --out DIR
+
+The cost replay of benchmarks/issue29.py (`eplb.core.scale`, analytic roofline, window and
+interval 4, one spare slot per GPU, shift-aware default) at decode batch sizes where cold
+experts' slots can be empty in a step. For each `read_tokens` value the default planner
+replans with the decode-aware pass (`eplb.core.policy.reads`; `step_choices` = GPUs x
+tokens per GPU x top_k) and is scored on the same steps as the default without it and
+deepseek. Prints one line per configuration: default/deepseek, then for each value
+(read-aware)/deepseek, (read-aware)/default and moves per rebalance. Writes
+`issue29_reads.json` under `--out` after every line.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from eplb.core.scale import (MODEL_PRESETS, AnalyticCost, LinkModel, PlanOptions,  # noqa: E402
+                             plan_scale, scale_replay)
+import issue29  # noqa: E402
+
+WINDOW = INTERVAL = 4
+
+
+def _moves(blocks) -> float:
+    moved = [b.record.experts_moved for b in blocks if b.record and not b.record.skipped]
+    return float(np.mean(moved)) if moved else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--ep", default="8,16,32")
+    ap.add_argument("--tokens", default="16,32,128", help="tokens per GPU per step (decode batch)")
+    ap.add_argument("--read-tokens", default="100", help="values of read_tokens to try")
+    ap.add_argument("--models", default="deepseek-v3,qwen3-235b")
+    ap.add_argument("--traces", default="esft,olmoe,steady-lognormal,shift-lognormal")
+    ap.add_argument("--shared", default=None, help="where the shared traces are (benchmarks/scale.py)")
+    a = ap.parse_args()
+    if a.shared:
+        issue29.SHARED_DIR[0] = a.shared
+    eps = [int(x) for x in a.ep.split(",")]
+    tokens = [int(x) for x in a.tokens.split(",")]
+    alphas = [float(x) for x in a.read_tokens.split(",")]
+    loads = issue29._all_loads()
+    cost, link = AnalyticCost(), LinkModel()
+    doc = {"date": datetime.date.today().isoformat(), "cost": "analytic", "rows": []}
+    a.out.mkdir(parents=True, exist_ok=True)
+    for model, name, M in issue29.configs(eps, a.models.split(","), a.traces.split(",")):
+        shape = MODEL_PRESETS[model]
+        P = shape.num_experts + M
+        t0 = time.perf_counter()
+        base = plan_scale(loads[name], shape, M, P, WINDOW, INTERVAL, link, ("static", "deepseek", "default"))
+        for tok in tokens:
+            choices = M * tok * shape.top_k
+            r = scale_replay(loads[name], shape, M, P, tok, WINDOW, INTERVAL, cost, link, planned=base).rows
+            row = {"model": model, "trace": name, "ep": M, "tokens_per_gpu": tok,
+                   "default/deepseek": r["default"].tokens_per_s / r["deepseek"].tokens_per_s,
+                   "moves_default": _moves(base[1]["default"]), "reads": {}}
+            line = (f"{model:<12} {name:<16} EP {M:>3} {tok:>4} tok/GPU  default/deepseek "
+                    f"{row['default/deepseek']:.4f}")
+            for alpha in alphas:
+                opts = PlanOptions(read_tokens=alpha, step_choices=choices)
+                pl = plan_scale(loads[name], shape, M, P, WINDOW, INTERVAL, link, ("static", "default"), opts=opts)
+                r2 = scale_replay(loads[name], shape, M, P, tok, WINDOW, INTERVAL, cost, link,
+                                  planned=pl, opts=opts).rows
+                ra = r2["default"].tokens_per_s
+                row["reads"][f"{alpha:g}"] = {"reads/deepseek": ra / r["deepseek"].tokens_per_s,
+                                              "reads/default": ra / r["default"].tokens_per_s,
+                                              "moves": _moves(pl[1]["default"])}
+                line += (f" | read_tokens {alpha:g}: /deepseek {ra / r['deepseek'].tokens_per_s:.4f}"
+                         f" /default {ra / r['default'].tokens_per_s:.4f} moves "
+                         f"{_moves(pl[1]['default']):.0f} ({row['moves_default']:.0f})")
+            doc["rows"].append(row)
+            print(line + f"  [{time.perf_counter() - t0:.0f} s]", flush=True)
+            (a.out / "issue29_reads.json").write_text(json.dumps(doc) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Decode-aware packing (`read_tokens`, eplb.core.policy.reads): the pass lowers the largest
+per-GPU cost of tokens plus weight reads, computed here on its own from the placement,
+keeps replica counts, the one-replica-per-GPU rule and node locality, and does nothing
+where every slot is warm."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from eplb.core.planning import plan
+
+
+def _loads(seed: int, L: int = 6, N: int = 64) -> np.ndarray:  # [L, N]: a few hot experts, many cold
+    rng = np.random.default_rng(seed)
+    w = rng.lognormal(0.0, 2.5, size=(L, N))
+    return w / w.sum(1, keepdims=True) * 1e6
+
+
+def _gpu_cost(load: np.ndarray, p2l: np.ndarray, M: int, choices: float, read: float) -> np.ndarray:
+    """[L] the largest per-GPU expected cost, tokens + read x P(slot not empty), loop by loop."""
+    L, P = p2l.shape
+    S = P // M
+    out = np.zeros(L)
+    for layer in range(L):
+        total = load[layer].sum()
+        worst = 0.0
+        for g in range(M):
+            cost = 0.0
+            for e in p2l[layer, g * S:(g + 1) * S]:
+                lam = load[layer, e] / total * choices / int((p2l[layer] == e).sum())
+                cost += lam + read * (1.0 - math.exp(-lam))
+            worst = max(worst, cost)
+        out[layer] = worst
+    return out
+
+
+def _check_same_counts_no_duplicates(a: np.ndarray, b: np.ndarray, M: int, N: int) -> None:
+    L, P = a.shape
+    for layer in range(L):
+        assert np.array_equal(np.bincount(a[layer], minlength=N), np.bincount(b[layer], minlength=N))
+        for g in range(M):
+            gpu = b[layer].reshape(M, -1)[g]
+            assert len(set(gpu.tolist())) == gpu.size, f"layer {layer} GPU {g} holds an expert twice"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reads_pass_lowers_the_largest_gpu_cost(seed):
+    N, M, P = 64, 8, 72
+    load = _loads(seed)
+    choices, read = M * 16 * 4.0, 100.0  # 16 tokens per GPU, top-4: many slots may be empty
+    base = plan(load, M, P).physical_to_logical
+    aware = plan(load, M, P, read_tokens=read, step_choices=choices).physical_to_logical
+    _check_same_counts_no_duplicates(base, aware, M, N)
+    before = _gpu_cost(load, base, M, choices, read)
+    after = _gpu_cost(load, aware, M, choices, read)
+    assert (after <= before + 1e-9).all()
+    assert (after < before * 0.999).any(), (before, after)
+
+
+def test_reads_pass_keeps_node_locality():
+    N, M, P, nodes, groups = 64, 8, 72, 2, 4
+    load = _loads(3)
+    choices = M * 16 * 4.0
+    base = plan(load, M, P, nodes, groups).physical_to_logical
+    aware = plan(load, M, P, nodes, groups, read_tokens=100.0, step_choices=choices).physical_to_logical
+    _check_same_counts_no_duplicates(base, aware, M, N)
+    half = P // nodes
+    for layer in range(load.shape[0]):
+        for e in range(N):
+            assert set(np.nonzero(base[layer] == e)[0] // half) == set(np.nonzero(aware[layer] == e)[0] // half)
+    assert not np.array_equal(base, aware)  # the pass did something within the nodes
+    assert (_gpu_cost(load, aware, M, choices, 100.0) <= _gpu_cost(load, base, M, choices, 100.0) + 1e-9).all()
+
+
+def test_warm_slots_leave_the_plan_as_it_is():
+    load = _loads(4)
+    M, P = 8, 72
+    base = plan(load, M, P).physical_to_logical
+    # a million choices per step: every slot expects thousands of tokens, every slot reads
+    warm = plan(load * 0 + 1.0 + load, M, P, read_tokens=100.0, step_choices=1e9).physical_to_logical
+    assert np.array_equal(plan(load * 0 + 1.0 + load, M, P).physical_to_logical, warm)
+    assert base.shape == warm.shape
+
+
+def test_with_previous_small_gains_do_not_move():
+    N, M, P = 64, 8, 72
+    load = _loads(5)
+    choices = M * 16 * 4.0
+    prev = plan(load, M, P)
+    # the plan in force is already the token-balanced plan of this load: a read gain of less
+    # than the tolerance must not be bought with copies, a large tolerance keeps every row
+    kept = plan(load, M, P, previous=prev, move_tolerance=5.0, read_tokens=100.0, step_choices=choices)
+    assert np.array_equal(kept.physical_to_logical, prev.physical_to_logical)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(read_tokens=True, step_choices=10.0), "read_tokens"),
+    (dict(read_tokens=-1.0, step_choices=10.0), "read_tokens"),
+    (dict(read_tokens=float("inf"), step_choices=10.0), "read_tokens"),
+    (dict(read_tokens=10.0), "step_choices > 0"),
+    (dict(read_tokens=10.0, step_choices=float("nan")), "step_choices"),
+])
+def test_bad_read_settings_are_refused(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        plan(_loads(0), 8, 72, **kw)
