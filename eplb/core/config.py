@@ -114,7 +114,7 @@ class EplbConfig:
     def verify(self, num_logical_experts: int, num_gpus: int,
                num_physical_experts: int | None = None) -> "EplbConfig":
         """Check against the model and the EP group; return the config with resolved values."""
-        from eplb.core.planning import check_min_gain
+        from eplb.core.planning import check_min_gain, check_move_tolerance
         from eplb.core.policy import available_policies
 
         N, M = num_logical_experts, num_gpus
@@ -148,8 +148,7 @@ class EplbConfig:
             )
         if not isinstance(self.load_decay, (int, float)) or not 0 < self.load_decay <= 1:
             raise ValueError(f"load_decay must be in (0, 1], got {self.load_decay!r}")
-        if not isinstance(self.move_tolerance, (int, float)) or not 0 <= self.move_tolerance < 10:
-            raise ValueError(f"move_tolerance must be in [0, 10), got {self.move_tolerance!r}")
+        check_move_tolerance(self.move_tolerance)
         check_min_gain(self.min_gain)
         check_min_gain(self.shift_threshold, "shift_threshold")
         if (isinstance(self.zero_load_warn_steps, bool) or not isinstance(self.zero_load_warn_steps, int)

@@ -55,10 +55,7 @@ def plan(
     if previous is not None:
         _check_previous(previous, num_layers, num_experts, num_gpus, num_slots)
 
-    if isinstance(move_tolerance, bool) or not isinstance(move_tolerance, (int, float)) \
-            or not 0 <= move_tolerance < 10:
-        raise ValueError(f"move_tolerance must be in [0, 10), got {move_tolerance!r}")
-    options = PolicyOptions(move_tolerance=float(move_tolerance), weighted=bool(weighted))
+    options = PolicyOptions(move_tolerance=check_move_tolerance(move_tolerance), weighted=bool(weighted))
 
     big = load.max(axis=1) > _RESCALE_ABOVE  # [L]: sums of such loads could overflow to inf
     if big.any():
@@ -167,6 +164,15 @@ def check_min_gain(value: Any, name: str = "min_gain") -> float:
     ValueError naming `name`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
         raise ValueError(f"{name} must be a gain in balancedness in [0, 1), got {value!r}")
+    return float(value)
+
+
+def check_move_tolerance(value: Any) -> float:
+    """`value` as a float in [0, 10) (extra relative imbalance a planner may accept to keep
+    experts in place), else a ValueError; bools are refused. The one check of
+    `move_tolerance`: EplbConfig.verify, plan() and simulate() all call it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 10:
+        raise ValueError(f"move_tolerance must be in [0, 10), got {value!r}")
     return float(value)
 
 

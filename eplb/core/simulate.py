@@ -36,7 +36,8 @@ import numpy as np
 
 from eplb.core.placement import Placement
 from eplb.core.planning import (DEFAULT_MIN_GAIN, DEFAULT_SHIFT_THRESHOLD, ShiftState, check_min_gain,
-                                check_topology, plan, plan_tolerance, positive_int, worth_moving)
+                                check_move_tolerance, check_topology, plan, plan_tolerance, positive_int,
+                                worth_moving)
 from eplb.core.policy import DEFAULT_MOVE_TOLERANCE, get_policy
 from eplb.core.transfer_plan import transfer_stats
 from eplb.core.workload import check_trace, load_trace as read_trace  # re-exported for the CLI
@@ -305,9 +306,7 @@ def simulate(
     check_topology(N, M, P, num_nodes, num_groups)
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
         raise ValueError(f"decay must be in (0, 1], got {decay!r}")
-    if isinstance(move_tolerance, bool) or not isinstance(move_tolerance, (int, float)) \
-            or not 0 <= move_tolerance < 10:
-        raise ValueError(f"move_tolerance must be in [0, 10), got {move_tolerance!r}")
+    move_tolerance = check_move_tolerance(move_tolerance)
     min_gain = check_min_gain(min_gain)
     shift_threshold = check_min_gain(shift_threshold, "shift_threshold")
     if bytes_per_expert is not None and (isinstance(bytes_per_expert, bool)
