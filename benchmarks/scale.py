@@ -39,7 +39,8 @@ from eplb.core.scale import (MODEL_PRESETS, PLACEMENTS, TOKEN_PRESETS, LinkModel
                              plan_scale, scale_replay, topology)
 from eplb.core.simulate import Block, aggregate_steps  # noqa: E402
 from eplb.core.workload import load_trace  # noqa: E402
-from eplb.ops.scale_report import format_scale_table, make_cost, pick_layers, plot_scale  # noqa: E402
+from eplb.ops.plots import plot_scale  # noqa: E402
+from eplb.ops.scale_report import format_scale_table, make_cost, pick_layers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "traces" / "npy"

@@ -247,6 +247,7 @@ def test_simulate_settings_reach_the_simulator(capsys, monkeypatch, tmp_path):
     import inspect
 
     import eplb.core.simulate
+    import eplb.ops.simulate_report
 
     seen = {}
     real = eplb.core.simulate.simulate
@@ -255,7 +256,7 @@ def test_simulate_settings_reach_the_simulator(capsys, monkeypatch, tmp_path):
         seen.update(inspect.signature(real).bind(*args, **kwargs).arguments)
         raise ValueError("captured")
 
-    monkeypatch.setattr(eplb.core.simulate, "simulate", capture)
+    monkeypatch.setattr(eplb.ops.simulate_report, "simulate", capture)  # the name `eplb simulate` calls
     trace = tmp_path / "t.npy"
     np.save(trace, np.ones((4, 1, 4)))
     code, _, err = run_main(["simulate", str(trace), "--num-gpus", "2", "--num-slots", "6",
