@@ -63,7 +63,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
     import torch
 
     from eplb.ops.demo import build_parser as demo_parser
-    from eplb.ops.demo import check_demo_arguments, setup
+    from eplb.ops.demo import setup
+    from eplb.ops.demo_args import check_demo_arguments
     from eplb.ops.launch import launch
 
     for name, limit in _DEMO_LIMITS.items():  # sizes the ranks would allocate: refuse early
@@ -177,7 +178,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from eplb.core.config import EplbConfig
 
-    from eplb.ops.demo import add_demo_arguments
+    from eplb.ops.demo_args import add_demo_arguments
 
     from eplb import __version__
     from eplb.core.policy import available_policies
