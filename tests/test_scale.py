@@ -11,8 +11,8 @@ import pytest
 from _cli import run_main
 
 from eplb.core.placement import Placement
-from eplb.core.scale import (AnalyticCost, LinkModel, ModelShape, exchange_seconds, move_seconds,
-                             plan_scale, scale_replay, slot_counts, stack_experts)
+from eplb.core.cost_model import AnalyticCost, LinkModel, ModelShape, exchange_seconds, move_seconds
+from eplb.core.scale import plan_scale, scale_replay, slot_counts, stack_experts
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ModelShape("tiny", hidden=64, intermediate=32, num_experts=16, top_k=2, num_groups=1,

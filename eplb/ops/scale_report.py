@@ -1,6 +1,7 @@
 """`eplb simulate TRACE --cost analytic|gpu`: tokens/s of each placement at EP 8 to 256.
 
-The pieces are in `eplb.core.scale` (replay, link model, analytic cost) and
+The pieces are in `eplb.core.scale` (the replay), `eplb.core.cost_model` (link model,
+analytic cost) and
 `eplb.ops.gpu_cost` (the real kernel timed on a GPU); this module reads the options,
 runs one replay per EP size with a progress bar, prints the tables and writes JSON and
 the plot. `benchmarks/scale.py` runs the sweeps of benchmarks/README.md through it.
@@ -15,9 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
-from eplb.core.scale import (MODEL_PRESETS, PLACEMENTS, TOKEN_PRESETS, AnalyticCost, LinkModel,
-                             ModelShape, PlanOptions, ScaleResult, plan_scale, plans_per_kind,
-                             scale_replay)
+from eplb.core.cost_model import MODEL_PRESETS, TOKEN_PRESETS, AnalyticCost, LinkModel, ModelShape
+from eplb.core.scale import PLACEMENTS, PlanOptions, ScaleResult, plan_scale, plans_per_kind, scale_replay
 from eplb.ops.plots import plot_scale
 
 
