@@ -1,6 +1,6 @@
 """The package layout shows the architecture, and stays that way (issue 15): imports only
-go down (core <- runtime <- ops), every sub-package says what it is, no module is over 400 lines (the few left say why),
-and no module reads torch's private state."""
+go down (core <- runtime <- ops), every sub-package says what it is, no module is over
+400 lines (the few left say why), and no module reads torch's private state."""
 from __future__ import annotations
 
 import ast
