@@ -45,10 +45,10 @@ class EplbConfig:
     move_tolerance: float = DEFAULT_MOVE_TOLERANCE
     """Relative extra predicted imbalance the planner accepts to keep experts where they
     are (0 = best balance whatever it moves; larger = fewer moves). The default is the
-    planner's (`eplb.core.policy.DEFAULT_MOVE_TOLERANCE`, 0.03). At 0.03 the ESFT
-    replay of benchmarks/planner.py moves 15.8% of the copies per rebalance (DeepSeek
-    EPLB: 92.1%) with no worse out-of-sample balance; trade-off table in
-    benchmarks/README.md (planner section)."""
+    planner's (`eplb.core.policy.DEFAULT_MOVE_TOLERANCE`, 0.03), chosen on the ESFT replay
+    of `benchmarks/planner.py --only moves`: its copies moved and out-of-sample balance
+    against DeepSeek EPLB's, per tolerance, are in benchmarks/README.md ("Planner:
+    `default` (balanced) against `deepseek`", table 3. Moves; "Planner round 3", Target 3)."""
     min_gain: float = 0.01
     """The least predicted gain in balancedness (mean over layers of mean/max GPU load, on
     the window's load: planned placement minus the one in force) for which a rebalance

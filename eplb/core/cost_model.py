@@ -80,9 +80,12 @@ class LinkModel:
     """Bandwidths per GPU, in GB/s (1e9 bytes/s), one direction."""
 
     gpus_per_node: int = 8
-    intra_GBps: float = 390.0  # H200 NVLink: raw peer copy measured 390.8 GB/s (2026-12-01)
+    # the defaults: H200 NVLink's raw peer copy and the partial-move efficiency of a layer
+    # move, both measured on 2 x H200 (benchmarks/README.md, "Large EP", and its transfer
+    # runs, "Moving one DeepSeek-V3 layer between two GPUs")
+    intra_GBps: float = 390.0
     inter_GBps: float = 50.0  # 400 Gb/s network card per GPU
-    transfer_efficiency: float = 0.77  # a partial layer move, of raw (measured 2026-12-01)
+    transfer_efficiency: float = 0.77  # of the raw peer copy
 
     def __post_init__(self) -> None:
         positive_int(self.gpus_per_node, "gpus_per_node")
