@@ -78,6 +78,16 @@ def test_no_module_over_400_lines():
     assert not stale, f"under {MAX_LINES} lines (or gone) now: take them out of OVER_LIMIT: {stale}"
 
 
+def test_core_returns_data_only():
+    """eplb.core draws nothing (issue 31): matplotlib is imported only by eplb.ops.plots."""
+    users = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+                   if any(isinstance(n, (ast.Import, ast.ImportFrom))
+                          and any("matplotlib" in (m or "") for m in
+                                  ([a.name for a in n.names] if isinstance(n, ast.Import) else [n.module]))
+                          for n in ast.walk(ast.parse(p.read_text()))))
+    assert users == ["ops/plots.py"], users
+
+
 def test_no_private_torch_distributed_state():
     bad = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
            if any(s in p.read_text() for s in ("distributed_c10d", "_world.", "pg_names"))]

@@ -231,6 +231,7 @@ def test_cli_esft_table_json_and_plot(tmp_path, capsys):
                                       "--plot", str(out_png)], capsys)
     assert code == 0, err
     assert "213 entries summed in groups of 20 -> 10 steps (last 13 dropped)" in out
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {out_png}" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
     assert {"none", "deepseek", "oracle:deepseek"} <= set(rows)
     d = json.loads(out_json.read_text())
