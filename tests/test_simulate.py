@@ -246,9 +246,9 @@ def test_cli_esft_table_json_and_plot(tmp_path, capsys):
     assert oracle < planned < none_mean
     assert float(rows["deepseek"][1]) == pytest.approx(planned, abs=6e-4)  # table = JSON figure
     # the "none" figure is the static placement scored directly
-    from eplb.core.simulate import read_trace
+    from eplb.core.workload import load_trace
 
-    agg = aggregate_steps(read_trace("esft"), 20)
+    agg = aggregate_steps(load_trace("esft"), 20)
     static = step_imbalance(agg, Placement.initial(26, 64, 80, 16)).mean(1)[1:]
     assert none_mean == pytest.approx(static.mean())
     data = out_png.read_bytes()

@@ -39,7 +39,7 @@ from eplb.core.planning import (DEFAULT_MIN_GAIN, DEFAULT_SHIFT_THRESHOLD, Shift
                                 worth_moving)
 from eplb.core.policy import DEFAULT_MOVE_TOLERANCE, get_policy
 from eplb.core.transfer_plan import transfer_stats
-from eplb.core.workload import check_trace, load_trace as read_trace  # re-exported for the CLI
+from eplb.core.workload import check_trace
 
 RESERVED_NAMES = ("none", "oracle")
 
@@ -377,4 +377,4 @@ def aggregate_steps(trace: np.ndarray, every: int) -> np.ndarray:  # [T, L, N] -
 
 
 __all__ = ["PolicyResult", "RebalanceRecord", "SimulationResult", "aggregate_steps", "decay_weights",
-           "read_trace", "rebalance_steps", "simulate", "step_imbalance", "window_load"]
+           "rebalance_steps", "simulate", "step_imbalance", "window_load"]

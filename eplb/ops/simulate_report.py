@@ -10,8 +10,8 @@ import importlib.util
 import json
 from pathlib import Path
 
-from eplb.core.simulate import (PolicyResult, SimulationResult, aggregate_steps, read_trace,
-                                rebalance_steps, simulate)
+from eplb.core.simulate import PolicyResult, SimulationResult, aggregate_steps, rebalance_steps, simulate
+from eplb.core.workload import load_trace
 from eplb.ops.plots import plot_simulation
 from eplb.ops.progress import ProgressBar
 
@@ -22,7 +22,7 @@ def run_simulate(a: argparse.Namespace) -> int:
             raise ValueError(f"{opt}: directory does not exist: {Path(path).parent}")
     if a.plot and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib: pip install 'eplb[plot]' (or pip install matplotlib)")
-    raw = read_trace(a.trace)  # [T, L, N]
+    raw = load_trace(a.trace)  # [T, L, N]
     trace = aggregate_steps(raw, a.aggregate)  # [T // A, L, N]
     T, L, N = trace.shape
     dropped = raw.shape[0] - T * a.aggregate
