@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eplb.core.placement import Placement  # noqa: E402
 from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD  # noqa: E402
-from eplb.core.scale import (MODEL_PRESETS, TOKEN_PRESETS, LinkModel, PlanOptions,  # noqa: E402
-                             plan_scale, scale_replay, topology)
+from eplb.core.cost_model import MODEL_PRESETS, TOKEN_PRESETS, LinkModel  # noqa: E402
+from eplb.core.scale import PlanOptions, plan_scale, scale_replay, topology  # noqa: E402
 from eplb.core.simulate import Block, RebalanceRecord  # noqa: E402
 from eplb.core.transfer_plan import transfer_stats  # noqa: E402
 from eplb.ops.scale_report import make_cost  # noqa: E402

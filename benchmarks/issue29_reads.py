@@ -26,8 +26,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from eplb.core.scale import (MODEL_PRESETS, AnalyticCost, LinkModel, PlanOptions,  # noqa: E402
-                             plan_scale, scale_replay)
+from eplb.core.cost_model import MODEL_PRESETS, AnalyticCost, LinkModel  # noqa: E402
+from eplb.core.scale import PlanOptions, plan_scale, scale_replay  # noqa: E402
 import issue29  # noqa: E402
 
 WINDOW = INTERVAL = 4

@@ -21,14 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
-from eplb.core.simulate import aggregate_steps, read_trace, simulate
+from eplb.core.simulate import aggregate_steps, simulate
+from eplb.core.workload import load_trace
 
 GAINS = (0.0, 0.002, 0.005, 0.01, 0.02, 0.05)
 
 
 def settings(shared: Path | None) -> list[tuple[str, np.ndarray, dict]]:
     """(label, trace [T, L, N], simulate keywords) of every setting swept."""
-    esft = read_trace("esft")  # [213, 26, 64]
+    esft = load_trace("esft")  # [213, 26, 64]
     out = []
     for agg, window in ((4, 4), (8, 2), (20, 1)):
         trace = aggregate_steps(esft, agg)

@@ -35,11 +35,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eplb.core.placement import Placement  # noqa: E402
-from eplb.core.scale import (MODEL_PRESETS, PLACEMENTS, TOKEN_PRESETS, LinkModel,  # noqa: E402
-                             plan_scale, scale_replay, topology)
+from eplb.core.cost_model import MODEL_PRESETS, TOKEN_PRESETS, LinkModel  # noqa: E402
+from eplb.core.scale import PLACEMENTS, plan_scale, scale_replay, topology  # noqa: E402
 from eplb.core.simulate import Block, aggregate_steps  # noqa: E402
 from eplb.core.workload import load_trace  # noqa: E402
-from eplb.ops.scale_report import format_scale_table, make_cost, pick_layers, plot_scale  # noqa: E402
+from eplb.ops.plots import plot_scale  # noqa: E402
+from eplb.ops.scale_report import format_scale_table, make_cost, pick_layers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "traces" / "npy"

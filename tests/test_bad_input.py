@@ -11,7 +11,8 @@ from _cli import run_main
 from eplb import plan
 from eplb.core.loadio import as_load, read_load
 from eplb.core.placement import Placement
-from eplb.core.simulate import read_trace, simulate
+from eplb.core.simulate import simulate
+from eplb.core.workload import load_trace
 
 
 class _Payload:  # torch.save of this needs a full pickle: weights_only=True must refuse it
@@ -191,7 +192,7 @@ def test_read_load_files(files):
     with pytest.raises(ValueError, match="not found"):
         read_load(files["ok"] + ".missing")
     with pytest.raises(ValueError):
-        read_trace(files["big3"])
+        load_trace(files["big3"])
 
 
 @pytest.mark.parametrize("args", [

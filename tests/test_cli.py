@@ -228,7 +228,8 @@ _DEMO_VALUES = {"window_size": 7, "rebalance_interval": 9, "num_redundant_expert
 def test_demo_settings_reach_the_config():
     """Each setting flag of the demo sets the EplbConfig field of its name (a flag wired to
     the wrong field fails here)."""
-    from eplb.ops.demo import build_parser, check_demo_arguments, setup
+    from eplb.ops.demo import build_parser, setup
+    from eplb.ops.demo_args import check_demo_arguments
 
     demo = [(a, f) for n, a, f in _setting_actions() if n == "python -m eplb.ops.demo"]
     assert {f for _, f in demo} == set(_DEMO_VALUES)
@@ -247,6 +248,7 @@ def test_simulate_settings_reach_the_simulator(capsys, monkeypatch, tmp_path):
     import inspect
 
     import eplb.core.simulate
+    import eplb.ops.simulate_report
 
     seen = {}
     real = eplb.core.simulate.simulate
@@ -255,7 +257,7 @@ def test_simulate_settings_reach_the_simulator(capsys, monkeypatch, tmp_path):
         seen.update(inspect.signature(real).bind(*args, **kwargs).arguments)
         raise ValueError("captured")
 
-    monkeypatch.setattr(eplb.core.simulate, "simulate", capture)
+    monkeypatch.setattr(eplb.ops.simulate_report, "simulate", capture)  # the name `eplb simulate` calls
     trace = tmp_path / "t.npy"
     np.save(trace, np.ones((4, 1, 4)))
     code, _, err = run_main(["simulate", str(trace), "--num-gpus", "2", "--num-slots", "6",
@@ -319,7 +321,8 @@ def test_help_and_errors_show_only_the_canonical_flag(capsys):
 def test_demo_defaults_fit_every_rank_count_from_1_to_8():
     """`eplb demo --nproc N` with its defaults: the EPLB config and the model arguments are
     valid for every N from 1 to 8 (32 experts + one spare per rank gave 35 slots on 3)."""
-    from eplb.ops.demo import build_parser, check_demo_arguments, setup
+    from eplb.ops.demo import build_parser, setup
+    from eplb.ops.demo_args import check_demo_arguments
 
     a = build_parser().parse_args([])
     check_demo_arguments(a)

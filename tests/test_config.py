@@ -206,3 +206,25 @@ def _info_labels(metrics) -> dict:
         if fam.name == "eplb":
             return dict(fam.samples[0].labels)
     raise AssertionError("no eplb_info")
+
+
+@pytest.mark.parametrize("bad", [True, False, -0.1, 10, float("nan"), float("inf"), "0.1", None])
+def test_move_tolerance_is_checked_once_the_same_way_everywhere(bad):
+    """EplbConfig.verify, plan() and simulate() share one check (issue 31: config accepted
+    True, plan() refused it): the same bad value fails all three with the same message."""
+    import numpy as np
+
+    from eplb.core.planning import plan
+    from eplb.core.simulate import simulate
+
+    msgs = []
+    with pytest.raises(ValueError) as e:
+        EplbConfig(num_redundant_experts=4, move_tolerance=bad).verify(num_logical_experts=12, num_gpus=4)
+    msgs.append(str(e.value))
+    with pytest.raises(ValueError) as e:
+        plan(np.ones((2, 12)), 4, 16, move_tolerance=bad)
+    msgs.append(str(e.value))
+    with pytest.raises(ValueError) as e:
+        simulate(np.ones((4, 2, 12)), 4, 16, window=1, interval=1, move_tolerance=bad, oracle=False)
+    msgs.append(str(e.value))
+    assert len(set(msgs)) == 1 and "move_tolerance" in msgs[0], msgs

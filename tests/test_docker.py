@@ -56,7 +56,7 @@ def torchrun_args(argv: list[str]) -> argparse.Namespace:
 
 
 def demo_args(argv: list[str]) -> argparse.Namespace:
-    from eplb.ops.demo import add_demo_arguments, check_demo_arguments
+    from eplb.ops.demo_args import add_demo_arguments, check_demo_arguments
 
     p = argparse.ArgumentParser()
     add_demo_arguments(p)

@@ -329,6 +329,7 @@ def _demo_with_output_fault(rank: int, world: int, argv: list, hf: bool, offset:
     import io
 
     import eplb.ops.demo as demo
+    from eplb.ops.demo_args import check_demo_arguments
 
     if hf:
         import eplb.ops.demo_hf as demo_hf
@@ -349,7 +350,7 @@ def _demo_with_output_fault(rank: int, world: int, argv: list, hf: bool, offset:
 
         demo.ReferenceJob = Faulty
     a = demo.build_parser().parse_args(argv)
-    demo.check_demo_arguments(a)
+    check_demo_arguments(a)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = demo.run(a)

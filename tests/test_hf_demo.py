@@ -17,7 +17,7 @@ require_transformers()
 
 from test_demo import EPLB, ROOT, check_records, run  # noqa: E402
 
-from eplb.ops.demo import HF_ARCHITECTURES  # noqa: E402
+from eplb.ops.demo_args import HF_ARCHITECTURES  # noqa: E402
 
 # sizes: 2 MoE layers x 8 experts top-2, 64 tokens per rank per step (4 sequences x 16)
 SIZES = dict(layers=2, experts=8, top_k=2, hidden=32, intermediate=32, tokens=64, seq_len=16)

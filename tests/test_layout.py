@@ -1,6 +1,6 @@
 """The package layout shows the architecture, and stays that way (issue 15): imports only
-go down (core <- runtime <- ops), every sub-package says what it is, long modules say why,
-and no module reads torch's private state."""
+go down (core <- runtime <- ops), every sub-package says what it is, no module is over
+400 lines (the few left say why), and no module reads torch's private state."""
 from __future__ import annotations
 
 import ast
@@ -52,14 +52,40 @@ def test_every_sub_package_says_what_it_is(sub):
     assert doc and len(doc.split()) >= 30, f"eplb/{sub}/__init__.py needs a one-paragraph docstring"
 
 
-def test_long_modules_state_why():
-    long = {}
-    for path in ROOT.rglob("*.py"):
-        n = len(path.read_text().splitlines())
-        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-        if n > 420 and "lines" not in doc:
-            long[str(path.relative_to(ROOT))] = n
-    assert not long, f"modules over ~400 lines without a reason in their docstring: {long}"
+MAX_LINES = 400
+# modules still over MAX_LINES (issue 31), each being split by its owner; each says why in
+# its docstring meanwhile. Take an entry out once its module is under the limit.
+OVER_LIMIT = {"eplb/runtime/runtime.py", "eplb/runtime/placement_change.py", "eplb/runtime/resize.py",
+              "eplb/core/policy/refinement.py"}
+
+
+def _line_counts() -> dict[str, int]:
+    """'eplb/...py' / 'moe/...py' -> lines, for every module of both packages."""
+    return {str(p.relative_to(ROOT.parent)): len(p.read_text().splitlines())
+            for pkg in (ROOT, ROOT.parent / "moe") for p in pkg.rglob("*.py")}
+
+
+def test_no_module_over_400_lines():
+    """One responsibility per module keeps modules short (issue 31): none over MAX_LINES
+    but the listed ones, which state why."""
+    counts = _line_counts()
+    long = {m: n for m, n in counts.items() if n > MAX_LINES and m not in OVER_LIMIT}
+    assert not long, f"modules over {MAX_LINES} lines (split them along their responsibilities): {long}"
+    unsaid = [m for m in OVER_LIMIT if m in counts and counts[m] > MAX_LINES
+              and "lines" not in (ast.get_docstring(ast.parse((ROOT.parent / m).read_text())) or "")]
+    assert not unsaid, f"modules over {MAX_LINES} lines without a reason in their docstring: {unsaid}"
+    stale = sorted(m for m in OVER_LIMIT if counts.get(m, 0) <= MAX_LINES)
+    assert not stale, f"under {MAX_LINES} lines (or gone) now: take them out of OVER_LIMIT: {stale}"
+
+
+def test_core_returns_data_only():
+    """eplb.core draws nothing (issue 31): matplotlib is imported only by eplb.ops.plots."""
+    users = sorted(str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+                   if any(isinstance(n, (ast.Import, ast.ImportFrom))
+                          and any("matplotlib" in (m or "") for m in
+                                  ([a.name for a in n.names] if isinstance(n, ast.Import) else [n.module]))
+                          for n in ast.walk(ast.parse(p.read_text()))))
+    assert users == ["ops/plots.py"], users
 
 
 def test_no_private_torch_distributed_state():

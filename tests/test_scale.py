@@ -11,8 +11,8 @@ import pytest
 from _cli import run_main
 
 from eplb.core.placement import Placement
-from eplb.core.scale import (AnalyticCost, LinkModel, ModelShape, exchange_seconds, move_seconds,
-                             plan_scale, scale_replay, slot_counts, stack_experts)
+from eplb.core.cost_model import AnalyticCost, LinkModel, ModelShape, exchange_seconds, move_seconds
+from eplb.core.scale import plan_scale, scale_replay, slot_counts, stack_experts
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ModelShape("tiny", hidden=64, intermediate=32, num_experts=16, top_k=2, num_groups=1,
@@ -188,13 +188,14 @@ def test_plan_scale_rejects_bad_input():
 def test_cli_cost_analytic_prints_and_writes_the_same_figures(tmp_path, capsys):
     trace = tmp_path / "t.npy"
     np.save(trace, skewed_trace(T=12, L=2, N=16))
-    out = tmp_path / "s.json"
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
     code, stdout, err = run_main(["simulate", str(trace), "--cost", "analytic", "--model", "custom",
                                   "--hidden", "64", "--intermediate", "32", "--top-k", "2",
                                   "--moe-layers", "10", "--num-gpus", "2,4", "--window-size", "2",
                                   "--rebalance-interval", "2", "--gpus-per-node", "2",
-                                  "--tokens-per-gpu", "64", "--json", str(out)], capsys)
+                                  "--tokens-per-gpu", "64", "--json", str(out), "--plot", str(png)], capsys)
     assert code == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in stdout  # eplb.ops.plots
     doc = json.loads(out.read_text())
     assert [r["config"]["num_gpus"] for r in doc["results"]] == [2, 4]
     assert [r["config"]["num_slots"] for r in doc["results"]] == [18, 20]  # N + 1 spare per GPU

@@ -231,6 +231,7 @@ def test_cli_esft_table_json_and_plot(tmp_path, capsys):
                                       "--plot", str(out_png)], capsys)
     assert code == 0, err
     assert "213 entries summed in groups of 20 -> 10 steps (last 13 dropped)" in out
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {out_png}" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
     assert {"none", "deepseek", "oracle:deepseek"} <= set(rows)
     d = json.loads(out_json.read_text())
@@ -245,9 +246,9 @@ def test_cli_esft_table_json_and_plot(tmp_path, capsys):
     assert oracle < planned < none_mean
     assert float(rows["deepseek"][1]) == pytest.approx(planned, abs=6e-4)  # table = JSON figure
     # the "none" figure is the static placement scored directly
-    from eplb.core.simulate import read_trace
+    from eplb.core.workload import load_trace
 
-    agg = aggregate_steps(read_trace("esft"), 20)
+    agg = aggregate_steps(load_trace("esft"), 20)
     static = step_imbalance(agg, Placement.initial(26, 64, 80, 16)).mean(1)[1:]
     assert none_mean == pytest.approx(static.mean())
     data = out_png.read_bytes()

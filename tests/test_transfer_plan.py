@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from eplb.core.placement import Placement
+from eplb.core.senders import assign_senders
 from eplb.core.transfer_plan import (
     LayerTransferPlan,
-    assign_senders,
     in_place_ops,
     plan_layer_transfer,
     plan_layer_transfers,

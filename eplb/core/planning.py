@@ -60,14 +60,11 @@ def plan(
     if previous is not None:
         _check_previous(previous, num_layers, num_experts, num_gpus, num_slots)
 
-    if isinstance(move_tolerance, bool) or not isinstance(move_tolerance, (int, float)) \
-            or not 0 <= move_tolerance < 10:
-        raise ValueError(f"move_tolerance must be in [0, 10), got {move_tolerance!r}")
     read_tokens = check_read_tokens(read_tokens)
     step_choices = check_read_tokens(step_choices, "step_choices")
     if read_tokens > 0 and step_choices <= 0:
         raise ValueError("read_tokens needs step_choices > 0 (token-expert choices per step and layer)")
-    options = PolicyOptions(move_tolerance=float(move_tolerance), weighted=bool(weighted),
+    options = PolicyOptions(move_tolerance=check_move_tolerance(move_tolerance), weighted=bool(weighted),
                             read_tokens=read_tokens, step_choices=step_choices)
 
     big = load.max(axis=1) > _RESCALE_ABOVE  # [L]: sums of such loads could overflow to inf
@@ -184,6 +181,15 @@ def check_read_tokens(value: Any, name: str = "read_tokens") -> float:
     """A finite number >= 0 (not a bool), as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def check_move_tolerance(value: Any) -> float:
+    """`value` as a float in [0, 10) (extra relative imbalance a planner may accept to keep
+    experts in place), else a ValueError; bools are refused. The one check of
+    `move_tolerance`: EplbConfig.verify, plan() and simulate() all call it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 10:
+        raise ValueError(f"move_tolerance must be in [0, 10), got {value!r}")
     return float(value)
 
 

@@ -8,7 +8,7 @@ from the same inputs and the runtime half only executes it:
 * a new slot whose expert its rank already held takes it from that old slot (a local
   copy, no network);
 * each (new rank, expert) pair still missing arrives once over the network, from an old
-  holder chosen by `eplb.core.transfer_plan.choose_senders`, the same greedy rule a
+  holder chosen by `eplb.core.senders.choose_senders`, the same greedy rule a
   rebalance uses (a holder on the receiver's node first, scarce pairs first, then the
   holder with the fewest sends so far, carried across layers, ties by ring distance);
 * further new slots of the same expert on that rank copy the just-received one.
@@ -31,7 +31,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from eplb.core.placement import Placement
-from eplb.core.transfer_plan import choose_senders, first_slot_of_expert
+from eplb.core.senders import choose_senders
+from eplb.core.transfer_plan import first_slot_of_expert
 
 __all__ = ["LayerResizePlan", "ResizePlan", "ResizeSizes", "plan_resize", "nodes_of", "check_request",
            "agree_sizes", "config_digest", "REQUEST_ROW", "LOAD_KINDS"]

@@ -22,24 +22,24 @@ Two references come with every run, scored on the same steps:
   The gap between a policy and its oracle is what imperfect prediction costs.
 
 Pure numpy (plus the policies): no torch.distributed, nothing random; same inputs, same
-result. About 430 lines: the replay and its table and plot, which the CLI and the
-benchmarks both use, stay in one module.
+result. It returns data only: the table and the plot of `eplb simulate` are
+eplb.ops.simulate_report's and eplb.ops.plots'.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from eplb.core.placement import Placement
 from eplb.core.planning import (DEFAULT_MIN_GAIN, DEFAULT_SHIFT_THRESHOLD, ShiftState, check_min_gain,
-                                check_topology, plan, plan_tolerance, positive_int, worth_moving)
+                                check_move_tolerance, check_topology, plan, plan_tolerance, positive_int,
+                                worth_moving)
 from eplb.core.policy import DEFAULT_MOVE_TOLERANCE, get_policy
 from eplb.core.transfer_plan import transfer_stats
-from eplb.core.workload import check_trace, load_trace as read_trace  # re-exported for the CLI
+from eplb.core.workload import check_trace
 
 RESERVED_NAMES = ("none", "oracle")
 
@@ -305,9 +305,7 @@ def simulate(
     check_topology(N, M, P, num_nodes, num_groups)
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
         raise ValueError(f"decay must be in (0, 1], got {decay!r}")
-    if isinstance(move_tolerance, bool) or not isinstance(move_tolerance, (int, float)) \
-            or not 0 <= move_tolerance < 10:
-        raise ValueError(f"move_tolerance must be in [0, 10), got {move_tolerance!r}")
+    move_tolerance = check_move_tolerance(move_tolerance)
     min_gain = check_min_gain(min_gain)
     shift_threshold = check_min_gain(shift_threshold, "shift_threshold")
     if bytes_per_expert is not None and (isinstance(bytes_per_expert, bool)
@@ -378,98 +376,5 @@ def aggregate_steps(trace: np.ndarray, every: int) -> np.ndarray:  # [T, L, N] -
     return trace[:n * every].reshape(n, every, *trace.shape[1:]).sum(1)
 
 
-# ==== reporting ==========================================================================
-
-
-def result_rows(result: SimulationResult) -> list[tuple[str, PolicyResult]]:
-    """Rows in print order: none, then each policy followed by its oracle."""
-    rows = [("none", result.none)]
-    for name, res in result.policies.items():
-        rows.append((name, res))
-        if name in result.oracle:
-            rows.append((f"oracle:{name}", result.oracle[name]))
-    return rows
-
-
-def format_table(result: SimulationResult) -> str:
-    """The per-policy table `eplb simulate` prints."""
-    head = (f"{'policy':<22} {'mean':>6} {'median':>6} {'p95':>6} {'in-smpl':>7} "
-            f"{'skipped':>7} {'moved/rebal':>11} {'%slots':>6} {'remote':>7} {'%slots':>6} {'MB/rebal':>9} "
-            f"{'plan ms':>8}")
-    lines = ["imbalance = max/mean GPU load per layer, mean over layers, per scored step "
-             "(out of sample); in-smpl = the planning window on the new placement;",
-             "skipped = rebalances that gained less than min gain (nothing moved) / all; "
-             "moved = slots whose expert changed per rebalance,",
-             "remote = experts received from another GPU per rebalance (% of all L x P slots); "
-             "plan ms = median.", head, "-" * len(head)]
-    for label, res in result_rows(result):
-        sm = res.summary()
-        cells = [f"{label:<22}", f"{sm['mean']:>6.3f}", f"{sm['median']:>6.3f}", f"{sm['p95']:>6.3f}"]
-        if sm["rebalances"]:
-            mb = sm["bytes_moved_mean"]
-            cells += [f"{sm['predicted_mean']:>7.3f}", f"{sm['skipped']}/{sm['rebalances']}".rjust(7),
-                      f"{sm['slots_changed_mean']:>11.1f}",
-                      f"{sm['slots_changed_pct']:>5.1f}%", f"{sm['experts_moved_mean']:>7.1f}",
-                      f"{100 * sm['experts_moved_mean'] / res.total_slots:>5.1f}%",
-                      f"{'-' if mb is None else format(mb / 1e6, '.1f'):>9}",
-                      f"{sm['plan_ms_median']:>8.1f}"]
-        else:
-            cells += [f"{'-':>{w}}" for w in (7, 7, 11, 6, 7, 6, 9, 8)]
-        lines.append(" ".join(cells))
-    return "\n".join(lines)
-
-
-def plot_result(result: SimulationResult, path: str | Path, title: str = "",
-                step_label: str = "step") -> None:
-    """PNG: imbalance per step (policies, none, oracles) and, per rebalance, slots changed
-    (light bars) and experts received from another GPU (dark bars), as % of all slots."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cfg = result.config
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True,
-                                   gridspec_kw={"height_ratios": [3, 2]})
-    steps = np.arange(cfg["steps"])
-    start = cfg["start"]
-    ax1.plot(steps[start:], result.none.scored, color="0.5", ls="--", marker=".", label="none (static)")
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    names = list(result.policies)
-    width = 0.8 / max(1, len(names))
-    for i, name in enumerate(names):
-        c = colors[i % len(colors)]
-        res = result.policies[name]
-        ax1.plot(steps[start:], res.scored, color=c, marker="o", ms=3,
-                 label=f"{name} (mean {res.summary()['mean']:.3f})")
-        if name in result.oracle:
-            o = result.oracle[name]
-            ax1.plot(steps[start:], o.scored, color=c, ls=":",
-                     label=f"oracle:{name} (mean {o.summary()['mean']:.3f})")
-        at = np.array([r.step for r in res.rebalances])
-        changed = np.array([100 * r.slots_changed for r in res.rebalances]) / res.total_slots
-        remote = np.array([100 * r.experts_moved for r in res.rebalances]) / res.total_slots
-        x = at + (i - (len(names) - 1) / 2) * width * cfg["interval"]
-        ax2.bar(x, changed, width=width * cfg["interval"], color=c, alpha=0.35,
-                label=f"{name}: slots changed")
-        ax2.bar(x, remote, width=width * cfg["interval"], color=c, label=f"{name}: received remotely")
-    ax1.axhline(1.0, color="k", lw=0.5)
-    ax1.set_ylabel("max/mean GPU load\n(mean over layers)")
-    ax1.legend(fontsize=8)
-    ax1.grid(alpha=0.3)
-    ax1.set_title(title or (f"{cfg['num_gpus']} GPUs, {cfg['num_slots']} slots, window {cfg['window']}, "
-                            f"interval {cfg['interval']}, decay {cfg['decay']:g}"), fontsize=10)
-    ax2.set_ylabel("moved per rebalance\n(% of all slots)")
-    ax2.set_xlabel(step_label)
-    ax2.legend(fontsize=7, ncol=2 * len(names), loc="upper left")
-    ax2.set_ylim(0, 100 + 12 * (1 + (2 * len(names) > 4)))  # headroom for the legend
-    ax2.set_yticks([0, 20, 40, 60, 80, 100])
-    ax2.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 __all__ = ["PolicyResult", "RebalanceRecord", "SimulationResult", "aggregate_steps", "decay_weights",
-           "format_table", "plot_result", "read_trace", "rebalance_steps", "result_rows", "simulate",
-           "step_imbalance", "window_load"]
+           "rebalance_steps", "simulate", "step_imbalance", "window_load"]

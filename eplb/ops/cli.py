@@ -6,9 +6,9 @@ Every bad input exits with status 2 and one line on stderr naming the problem. A
 an EplbConfig setting is the field name with dashes (`Setting`; old spellings still parse,
 with a deprecation warning).
 
-Longer than 400 lines because it holds every subcommand's parser and the argument checks
-that turn each bad input into one line naming its flag; the work itself lives in eplb.core,
-eplb.ops.client and eplb.ops.demo.
+This module holds every subcommand's parser and the argument checks that turn each bad
+input into one line naming its flag; the work itself lives in eplb.core, eplb.ops.demo,
+eplb.ops.record (`eplb record`) and eplb.ops.simulate_report (`eplb simulate`).
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -64,7 +63,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
     import torch
 
     from eplb.ops.demo import build_parser as demo_parser
-    from eplb.ops.demo import check_demo_arguments, setup
+    from eplb.ops.demo import setup
+    from eplb.ops.demo_args import check_demo_arguments
     from eplb.ops.launch import launch
 
     for name, limit in _DEMO_LIMITS.items():  # sizes the ranks would allocate: refuse early
@@ -154,133 +154,6 @@ def cmd_trigger(a: argparse.Namespace) -> int:
     return 0 if status.get("state") == "done" else 1
 
 
-def _record_write(out: Path, snaps: dict, trace: bool) -> None:
-    """Write one /load snapshot (`trace` False: the answer as JSON, or logical_count as an
-    [L, N] .npy) or a trace (`snaps`: counts [T, L, N], steps, step, time, meta)."""
-    import numpy as np
-
-    try:
-        if not trace:
-            if out.suffix.lower() == ".npy":
-                np.save(out, snaps["counts"])
-            else:
-                out.write_text(json.dumps(snaps["answer"]) + "\n")
-        elif out.suffix.lower() == ".npy":
-            np.save(out, snaps["counts"])
-        elif out.suffix.lower() == ".npz":
-            np.savez(out, counts=snaps["counts"], steps=np.asarray(snaps["steps"], np.int64),
-                     step=np.asarray(snaps["step"], np.int64), time=np.asarray(snaps["time"]))
-        else:
-            out.write_text(json.dumps(dict(snaps["meta"], logical_count=snaps["counts"].tolist(),
-                                           steps=snaps["steps"], step=snaps["step"],
-                                           time=snaps["time"])) + "\n")
-    except OSError as e:
-        raise ValueError(f"--out: cannot write {out} ({e.strerror or e.__class__.__name__})") from None
-
-
-def _record_counts(d: dict, key: str, url: str):
-    """`d[key]` of a /load answer as a checked [L, N] array (int64 when all integral)."""
-    import numpy as np
-
-    from eplb.core.loadio import as_load
-
-    if key not in d:
-        raise ValueError(f"{url}: the answer has no {key} (an eplb older than the load export?)")
-    arr = np.asarray(d[key]) if isinstance(d[key], list) else None
-    if arr is None or arr.ndim != 2:
-        raise ValueError(f"{url}: {key} is not an [L, N] array")
-    load = as_load(arr, f"{url}: {key}")  # numeric, finite, non-negative: [L, N] float64
-    return load.astype(np.int64) if np.array_equal(load, np.round(load)) else load
-
-
-def cmd_record(a: argparse.Namespace) -> int:
-    import numpy as np
-
-    from eplb.core.loadio import MAX_LOAD_ELEMENTS
-    from eplb.ops.client import TriggerError, fetch_load
-
-    out = Path(a.out)
-    trace = a.count is not None or a.every is not None
-    if trace and (a.count is None or a.every is None):
-        raise ValueError("--every and --count go together (K snapshots S seconds apart)")
-    kinds = (".json", ".npy", ".npz") if trace else (".json", ".npy")
-    if out.suffix.lower() not in kinds:
-        raise ValueError(f"--out: {out.name} must end in {', '.join(kinds)}"
-                         + ("" if trace else " (.npz with --every/--count)"))
-    if not out.resolve().parent.is_dir():
-        raise ValueError(f"--out: directory does not exist: {out.parent}")
-    if out.is_dir():
-        raise ValueError(f"--out: {out} is a directory")
-    if not 0 < a.timeout <= 3600:
-        raise ValueError(f"--timeout must be in (0, 3600] seconds, got {a.timeout:g}")
-    if trace and not 0 < a.every <= 86400:
-        raise ValueError(f"--every must be in (0, 86400] seconds, got {a.every:g}")
-    if trace and a.count > 10**6:
-        raise ValueError(f"--count: {a.count} is more than the supported {10**6}")
-
-    def fetch() -> dict:
-        try:
-            return fetch_load(a.url, a.timeout)
-        except TriggerError as e:
-            raise ValueError(str(e)) from None
-
-    first = fetch()
-    if not trace:
-        counts = _record_counts(first, "logical_count", a.url)  # [L, N]
-        _record_write(out, {"answer": first, "counts": counts}, trace=False)
-        L, N = counts.shape
-        print(f"wrote {out}: {L} layers x {N} experts, the window of {first.get('steps')} steps "
-              f"at step {first.get('step')}")
-        return 0
-
-    total = _record_counts(first, "total_logical_count", a.url)  # [L, N] since metrics attached
-    if "total_steps" not in first:
-        raise ValueError(f"{a.url}: the answer has no total_steps (an eplb older than the load export?)")
-    L, N = total.shape
-    if a.count * L * N > MAX_LOAD_ELEMENTS:
-        raise ValueError(f"--count {a.count}: {a.count} x {L} x {N} counts are more than the "
-                         f"supported {MAX_LOAD_ELEMENTS}")
-    prev_steps, prev_step = int(first["total_steps"]), first.get("step")
-    entries, steps, at_step, times = [], [], [], []
-    meta = {"layers": L, "experts": N, "gpus": first.get("gpus"), "every": a.every, "url": a.url,
-            "start_step": prev_step}
-    print(f"eplb record: {a.url} at step {prev_step}; {a.count} snapshots every {a.every:g} s",
-          file=sys.stderr, flush=True)
-    t0 = time.monotonic()
-    try:
-        for k in range(1, a.count + 1):
-            time.sleep(max(0.0, t0 + k * a.every - time.monotonic()))
-            d = fetch()
-            now = _record_counts(d, "total_logical_count", a.url)
-            n = int(d.get("total_steps", -1))
-            if now.shape != (L, N):
-                raise ValueError(f"{a.url}: the job changed between snapshots ({L} x {N} -> "
-                                 f"{now.shape[0]} x {now.shape[1]} experts)")
-            if n < prev_steps or (now < total).any():
-                raise ValueError(f"{a.url}: the job restarted between snapshots (step "
-                                 f"{prev_step} -> {d.get('step')}, counts went down)")
-            entries.append(now - total)
-            steps.append(n - prev_steps)
-            at_step.append(int(d.get("step", -1)))
-            times.append(float(d.get("time", 0.0)))
-            note = "" if n > prev_steps else " (no metrics update since the last snapshot)"
-            print(f"eplb record: {k}/{a.count} at step {d.get('step')}: {n - prev_steps} steps, "
-                  f"{int(entries[-1].sum())} token-expert assignments{note}",
-                  file=sys.stderr, flush=True)
-            total, prev_steps, prev_step = now, n, d.get("step")
-    except KeyboardInterrupt:
-        if not entries:
-            raise
-        print(f"eplb record: interrupted after {len(entries)} of {a.count} snapshots", file=sys.stderr)
-    counts = np.stack(entries)  # [T, L, N]
-    _record_write(out, {"counts": counts, "steps": steps, "step": at_step, "time": times,
-                        "meta": meta}, trace=True)
-    print(f"wrote {out}: {len(entries)} snapshots {a.every:g} s apart ([T, L, N] = "
-          f"[{len(entries)}, {L}, {N}]), steps {meta['start_step']}..{at_step[-1]} "
-          f"({sum(steps)} steps)")
-    return 0 if len(entries) == a.count else 130
-
-
 def _float(name: str):
     def conv(s: str) -> float:
         try:
@@ -290,71 +163,22 @@ def _float(name: str):
     return conv
 
 
+def cmd_record(a: argparse.Namespace) -> int:
+    from eplb.ops.record import record
+
+    return record(a)
+
+
 def cmd_simulate(a: argparse.Namespace) -> int:
-    import importlib.util
+    from eplb.ops.simulate_report import run_simulate
 
-    from eplb.ops.progress import ProgressBar
-    from eplb.core.simulate import (aggregate_steps, format_table, plot_result, read_trace, rebalance_steps,
-                               simulate)
-
-    for opt, path in (("--json", a.json), ("--plot", a.plot)):
-        if path and not Path(path).resolve().parent.is_dir():
-            raise ValueError(f"{opt}: directory does not exist: {Path(path).parent}")
-    if a.plot and importlib.util.find_spec("matplotlib") is None:
-        raise ValueError("--plot needs matplotlib: pip install 'eplb[plot]' (or pip install matplotlib)")
-    raw = read_trace(a.trace)  # [T, L, N]
-    trace = aggregate_steps(raw, a.aggregate)  # [T // A, L, N]
-    T, L, N = trace.shape
-    dropped = raw.shape[0] - T * a.aggregate
-    if a.cost:
-        from eplb.ops.scale_report import run_cost
-        return run_cost(a, trace, a.trace if a.aggregate == 1 else f"{a.trace} (aggregate {a.aggregate})")
-    if len(a.num_gpus) != 1:
-        raise ValueError("--num-gpus lists several EP sizes only with --cost")
-    if a.num_slots is None:
-        raise ValueError("--num-slots is required (without --cost)")
-    a.num_gpus = a.num_gpus[0]
-    start = a.start if a.start is not None else a.rebalance_interval
-    n_plans = len(rebalance_steps(T, a.rebalance_interval, start)) * len(a.policy) * (1 if a.no_oracle else 2)
-    bar = ProgressBar(n_plans, label="simulate") if n_plans >= 50 else None
-    result = simulate(trace, a.num_gpus, a.num_slots, a.window_size, a.rebalance_interval,
-                      policies=a.policy, num_nodes=a.num_nodes, num_groups=a.num_groups,
-                      decay=a.load_decay, move_tolerance=a.move_tolerance,
-                      weighted=a.weighted_replicas, min_gain=a.min_gain, shift_threshold=a.shift_threshold,
-                      bytes_per_expert=a.bytes_per_expert, start=a.start, oracle=not a.no_oracle,
-                      progress=bar.update if bar else None)
-    if bar:
-        bar.close()
-    cfg = result.config
-    steps_desc = (f"{raw.shape[0]} steps" if a.aggregate == 1 else
-                  f"{raw.shape[0]} entries summed in groups of {a.aggregate} -> {T} steps"
-                  + (f" (last {dropped} dropped)" if dropped else ""))
-    print(f"eplb simulate: {a.trace}: {steps_desc}, {L} layers x {N} experts; {a.num_gpus} GPUs, "
-          f"{a.num_slots} slots, {a.num_nodes} node(s), {a.num_groups} group(s); window {a.window_size}, "
-          f"interval {a.rebalance_interval}, decay {a.load_decay:g}, move tolerance "
-          f"{a.move_tolerance:g}, min gain {a.min_gain:g}, shift threshold {a.shift_threshold:g}"
-          f"{', weighted' if a.weighted_replicas else ''}")
-    print(f"{len(cfg['rebalance_steps'])} rebalances per policy; steps {cfg['start']}..{T - 1} scored")
-    print(format_table(result))
-    if a.json:
-        d = result.to_dict()
-        d["trace"] = {"source": a.trace, "entries": int(raw.shape[0]), "aggregate": a.aggregate,
-                      "dropped": int(dropped)}
-        Path(a.json).write_text(json.dumps(d) + "\n")
-        print(f"wrote {a.json}")
-    if a.plot:
-        title = (f"{a.trace}: {steps_desc}\n{a.num_gpus} GPUs, {a.num_slots} slots, window {a.window_size}, "
-                 f"interval {a.rebalance_interval}, decay {a.load_decay:g}")
-        plot_result(result, a.plot, title=title,
-                    step_label="step" if a.aggregate == 1 else f"step ({a.aggregate} trace entries each)")
-        print(f"wrote {a.plot}")
-    return 0
+    return run_simulate(a)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from eplb.core.config import EplbConfig
 
-    from eplb.ops.demo import add_demo_arguments
+    from eplb.ops.demo_args import add_demo_arguments
 
     from eplb import __version__
     from eplb.core.policy import available_policies

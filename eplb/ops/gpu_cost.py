@@ -1,4 +1,5 @@
-"""Expert work timed on a real GPU, for `eplb.core.scale` (`eplb simulate --cost gpu`).
+"""Expert work timed on a real GPU: an `eplb.core.cost_model.ExpertCost` for `eplb.core.scale`
+(`eplb simulate --cost gpu`).
 
 One virtual GPU's expert work is the grouped GEMM of its local slots with their token
 counts, run by the reference model's kernel (`moe.experts.GroupedExperts`, bf16,
@@ -28,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from eplb.core.scale import ModelShape
+from eplb.core.cost_model import ModelShape
 from moe.experts import swiglu
 
 

@@ -1,6 +1,7 @@
 """`eplb simulate TRACE --cost analytic|gpu`: tokens/s of each placement at EP 8 to 256.
 
-The pieces are in `eplb.core.scale` (replay, link model, analytic cost) and
+The pieces are in `eplb.core.scale` (the replay), `eplb.core.cost_model` (link model,
+analytic cost) and
 `eplb.ops.gpu_cost` (the real kernel timed on a GPU); this module reads the options,
 runs one replay per EP size with a progress bar, prints the tables and writes JSON and
 the plot. `benchmarks/scale.py` runs the sweeps of benchmarks/README.md through it.
@@ -15,9 +16,9 @@ from typing import Sequence
 
 import numpy as np
 
-from eplb.core.scale import (MODEL_PRESETS, PLACEMENTS, TOKEN_PRESETS, AnalyticCost, LinkModel,
-                             ModelShape, PlanOptions, ScaleResult, plan_scale, plans_per_kind,
-                             scale_replay)
+from eplb.core.cost_model import MODEL_PRESETS, TOKEN_PRESETS, AnalyticCost, LinkModel, ModelShape
+from eplb.core.scale import PLACEMENTS, PlanOptions, ScaleResult, plan_scale, plans_per_kind, scale_replay
+from eplb.ops.plots import plot_scale
 
 
 def add_cost_arguments(p: argparse.ArgumentParser) -> None:
@@ -194,28 +195,3 @@ def format_scale_table(results: Sequence[ScaleResult]) -> str:
                          f"{r.layer_ms:>9.3f} {r.compute_ms:>10.3f} {r.exchange_ms:>7.3f} "
                          f"{100 * r.idle:>5.1f}% {r.rebalance_ms_per_step:>13.3f}")
     return "\n".join(lines)
-
-
-def plot_scale(results: Sequence[ScaleResult], path: str, title: str = "") -> None:
-    """tokens/s against EP size, one line per placement kind (matplotlib, Agg)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    Ms = [r.config["num_gpus"] for r in results]
-    for name in results[0].rows:
-        ax.plot(Ms, [r.rows[name].tokens_per_s for r in results], marker="o", label=name)
-        ax2.plot(Ms, [100 * r.gain_over_static(name) for r in results], marker="o", label=name)
-    for a in (ax, ax2):
-        a.set_xscale("log", base=2)
-        a.set_xticks(Ms, [str(m) for m in Ms])
-        a.set_xlabel("expert-parallel GPUs (EP)")
-        a.grid(alpha=0.3)
-    ax.set_ylabel("tokens/s (MoE layers only)")
-    ax2.set_ylabel("gain over static (%)")
-    ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

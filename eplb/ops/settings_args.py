@@ -1,5 +1,5 @@
 """argparse for EplbConfig settings, shared by `eplb` (eplb/ops/cli.py) and the demo job
-(eplb/ops/demo.py): a setting's flag is its field name with dashes (`Setting`); old
+(eplb/ops/demo_args.py): a setting's flag is its field name with dashes (`Setting`); old
 spellings still parse with a one-line deprecation warning and are hidden from --help and
 from error messages (`SettingsParser`)."""
 from __future__ import annotations

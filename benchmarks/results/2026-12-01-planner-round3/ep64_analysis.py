@@ -16,7 +16,8 @@ import scale as S  # noqa: E402  benchmarks/scale.py: the traces and the window 
 
 from eplb.core.placement import Placement  # noqa: E402
 from eplb.core.planning import plan  # noqa: E402
-from eplb.core.scale import MODEL_PRESETS, LinkModel, stack_experts, topology  # noqa: E402
+from eplb.core.cost_model import MODEL_PRESETS, LinkModel  # noqa: E402
+from eplb.core.scale import stack_experts, topology  # noqa: E402
 
 TR = S.traces(S.SHARED)
 SHAPE = MODEL_PRESETS["deepseek-v3"]
