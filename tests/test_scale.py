@@ -379,3 +379,36 @@ def test_bench_issue29_ratios_and_plan_cache(tmp_path):
         for k in ("tokens_per_s", "default_noshift", "moves_per_rebalance", "moves_per_rebalance_noshift",
                   "early_rebalances", "shifted_plans"):
             assert a[k] == b[k], k
+
+
+def test_cli_read_tokens_reaches_the_plans(tmp_path, capsys):
+    """`--read-tokens` (decode-aware packing) is set against each EP size's token-expert
+    choices per step, shown in the header, and changes the default's plans; without
+    --cost it is refused (no token count)."""
+    trace = tmp_path / "t.npy"
+    rng = np.random.default_rng(7)
+    t = rng.lognormal(0.0, 3.0, size=(12, 2, 32)) + 1e-3  # many cold experts
+    np.save(trace, t)
+    base = ["simulate", str(trace), "--cost", "analytic", "--model", "custom", "--hidden", "64",
+            "--intermediate", "32", "--top-k", "2", "--moe-layers", "10", "--num-gpus", "4,8",
+            "--window-size", "2", "--rebalance-interval", "2", "--gpus-per-node", "8",
+            "--tokens-per-gpu", "4", "--min-gain", "0", "--placements", "default"]
+    docs, outs = [], []
+    for extra in ([], ["--read-tokens", "50"]):
+        out = tmp_path / f"r{len(docs)}.json"
+        code, stdout, err = run_main(base + extra + ["--json", str(out)], capsys)
+        assert code == 0, err
+        docs.append(json.loads(out.read_text()))
+        outs.append(stdout)
+    assert "read tokens 50" in outs[1].splitlines()[0] and "read tokens" not in outs[0].splitlines()[0]
+    for r, M in zip(docs[1]["results"], (4, 8)):
+        assert r["config"]["plan_options"]["read_tokens"] == 50.0
+        assert r["config"]["plan_options"]["step_choices"] == M * 4 * 2  # GPUs x tokens x top-k
+    a = [r["rows"]["default"]["tokens_per_s"] for r in docs[0]["results"]]
+    b = [r["rows"]["default"]["tokens_per_s"] for r in docs[1]["results"]]
+    assert a != b
+    code, _, err = run_main(["simulate", str(trace), "--window-size", "2", "--rebalance-interval", "2",
+                             "--num-gpus", "4", "--num-slots", "36", "--read-tokens", "50"], capsys)
+    assert code != 0 and "--read-tokens needs --cost" in err
+    code, _, err = run_main(base + ["--read-tokens", "-1"], capsys)
+    assert code != 0 and "--read-tokens must be a finite number >= 0" in err

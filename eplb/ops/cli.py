@@ -291,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "plan's predicted balancedness by more than G beyond the noise "
                                       "re-plans with move tolerance 0 and may rebalance early, once per "
                                       f"interval (default {EplbConfig.shift_threshold}, as EplbConfig; 0 = off)")
+    sm.add_argument("--read-tokens", type=_float("--read-tokens"), default=0.0, metavar="R",
+                    help="with --cost: decode-aware packing, a slot's weight read costs R tokens when "
+                         "the slot gets a token in a step (token count from --tokens-per-gpu; "
+                         "default 0 = off; see benchmarks/README.md, issue 29 target 3)")
     sm.add_argument("--min-gain", type=_float("--min-gain"), default=EplbConfig.min_gain, metavar="G",
                     help=f"skip a rebalance whose plan raises the window's predicted balancedness "
                          f"by less than G (default {EplbConfig.min_gain}, as EplbConfig; 0 = never)")

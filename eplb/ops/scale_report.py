@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
 from eplb.core.cost_model import MODEL_PRESETS, TOKEN_PRESETS, AnalyticCost, LinkModel, ModelShape
+from eplb.core.planning import check_read_tokens
 from eplb.core.scale import PLACEMENTS, PlanOptions, ScaleResult, plan_scale, plans_per_kind, scale_replay
 from eplb.ops.plots import plot_scale
 
@@ -124,7 +126,8 @@ def run_cost(a: argparse.Namespace, trace: np.ndarray, source: str) -> int:
     cost = make_cost(a.cost, shape, max(P // M for M, P in zip(Ms, slots)), tokens, a.tflops,
                      a.hbm_tbps)
     opts = PlanOptions(move_tolerance=a.move_tolerance, weighted=a.weighted_replicas,
-                       decay=a.load_decay, min_gain=a.min_gain, shift_threshold=a.shift_threshold)
+                       decay=a.load_decay, min_gain=a.min_gain, shift_threshold=a.shift_threshold,
+                       read_tokens=check_read_tokens(a.read_tokens, "--read-tokens"))
     print(f"eplb simulate --cost {a.cost}: {source}: {T} steps x {L} layers x {Nt} experts as "
           f"{shape.name} (H {shape.hidden}, I {shape.intermediate}, N {shape.num_experts}, "
           f"top-{shape.top_k}, {shape.num_moe_layers} MoE layers); {tokens} tokens/GPU/step; window "
@@ -139,6 +142,8 @@ def run_cost(a: argparse.Namespace, trace: np.ndarray, source: str) -> int:
     results: list[ScaleResult] = []
     for M, P in zip(Ms, slots):
         bar.update(0, suffix=f"EP {M}: planning")
+        if opts.read_tokens > 0:  # the reads are set against this EP size's choices per step
+            opts = replace(opts, step_choices=float(M * tokens * shape.top_k))
         planned = plan_scale(trace, shape, M, P, a.window_size, a.rebalance_interval, link,
                              placements, opts=opts, progress=bar.update)
         bar.update(0, suffix=f"EP {M}: scoring")
@@ -172,7 +177,8 @@ def plan_options_text(opts: PlanOptions) -> str:
     return (f"move tolerance {opts.move_tolerance:g}, weighted replicas "
             f"{'on' if opts.weighted else 'off'}, load decay {opts.decay:g}, min gain "
             f"{opts.min_gain:g}, shift threshold {opts.shift_threshold:g}"
-            f"{' (off)' if opts.shift_threshold == 0 else ''}")
+            f"{' (off)' if opts.shift_threshold == 0 else ''}"
+            f"{f', read tokens {opts.read_tokens:g}' if opts.read_tokens > 0 else ''}")
 
 
 def format_scale_table(results: Sequence[ScaleResult]) -> str:

@@ -31,6 +31,8 @@ def run_simulate(a: argparse.Namespace) -> int:
         return run_cost(a, trace, a.trace if a.aggregate == 1 else f"{a.trace} (aggregate {a.aggregate})")
     if len(a.num_gpus) != 1:
         raise ValueError("--num-gpus lists several EP sizes only with --cost")
+    if a.read_tokens:
+        raise ValueError("--read-tokens needs --cost (the tokens per step come from --tokens-per-gpu)")
     if a.num_slots is None:
         raise ValueError("--num-slots is required (without --cost)")
     a.num_gpus = a.num_gpus[0]
