@@ -6,7 +6,7 @@
 The cost replay of benchmarks/issue29.py (`eplb.core.scale`, analytic roofline, window and
 interval 4, one spare slot per GPU, shift-aware default) at decode batch sizes where cold
 experts' slots can be empty in a step. For each `read_tokens` value the default planner
-replans with the decode-aware pass (`eplb.core.policy.reads`; `step_choices` = GPUs x
+replans with the decode-aware pass (`eplb.core.policy.balanced.reads`; `step_choices` = GPUs x
 tokens per GPU x top_k) and is scored on the same steps as the default without it and
 deepseek. Prints one line per configuration: default/deepseek, then for each value
 (read-aware)/deepseek, (read-aware)/default and moves per rebalance. Writes

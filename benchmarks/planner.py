@@ -32,7 +32,8 @@ torch.set_num_threads(1)
 
 from eplb.core.placement import Placement  # noqa: E402
 from eplb.core.planning import plan  # noqa: E402
-from eplb.core.policy import PolicyOptions, get_policy  # noqa: E402
+from eplb.core.policy.base import PolicyOptions
+from eplb.core.policy.registry import get_policy  # noqa: E402
 from eplb.core.transfer_plan import transfer_stats  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

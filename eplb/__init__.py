@@ -7,7 +7,7 @@ contract. docs/architecture.md draws the picture.
 from eplb.core.config import EplbConfig
 from eplb.core.placement import Placement
 from eplb.core.planning import plan
-from eplb.core.policy import available_policies, register_policy
+from eplb.core.policy.registry import available_policies, register_policy
 from eplb.protocol import MixtureOfExperts, MoELayerProtocol
 from eplb.runtime import EplbFatalError, EplbRuntime, RebalanceError, RebalanceEvent
 

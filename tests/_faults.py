@@ -198,7 +198,7 @@ class PolicySwitch:
     _made: dict[str, "PolicySwitch"] = {}
 
     def __init__(self, name: str, base: str) -> None:
-        from eplb.core.policy import register_policy
+        from eplb.core.policy.registry import register_policy
 
         self.name, self.base = name, base
         self.error: BaseException | None = None
@@ -220,7 +220,7 @@ class PolicySwitch:
         self.error = None
 
     def __call__(self, *args, **kwargs):
-        from eplb.core.policy import get_policy
+        from eplb.core.policy.registry import get_policy
 
         self.calls += 1
         if self.error is not None:

@@ -74,7 +74,7 @@ def test_weighted_replicas_accepts_bools():
 def test_move_tolerance_default_is_the_planners_constant():
     """One constant: EplbConfig's default is the very object eplb.core.policy defines (a
     second literal 0.03 here would be an equal but distinct float)."""
-    from eplb.core.policy import DEFAULT_MOVE_TOLERANCE, PolicyOptions
+    from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE, PolicyOptions
 
     assert EplbConfig.move_tolerance is DEFAULT_MOVE_TOLERANCE
     assert PolicyOptions().move_tolerance is DEFAULT_MOVE_TOLERANCE

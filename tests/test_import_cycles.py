@@ -107,14 +107,15 @@ def test_the_graph_sees_imports_of_every_kind():
     assert "moe.dispatch" in g["moe.layer"]  # from .dispatch import ...
     assert "eplb.core.placement" in g["moe.model"]  # from eplb.core.placement import ...
     assert "moe.experts" in g["eplb.ops.gpu_cost"]  # deferred, inside a function
+    assert "eplb.core.policy.base" in g["eplb.core.config"]
     planted = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(planted) == [["a", "b", "c"]]
 
 
-# Cycles not yet broken (issue 31, open): the policy package's __init__ holds the
-# registry and the defaults its planners import back. Listed so that no new cycle can
-# join it, and so that breaking it fails here until it is struck off the list.
-NOT_YET_BROKEN = [["eplb.core.policy", "eplb.core.policy.balanced"]]
+# Cycles not yet broken: none left (issue 31 broke the last, the policy package's
+# __init__ holding the registry its planners imported back). A cycle listed here must
+# still exist: breaking it fails the test until it is struck off.
+NOT_YET_BROKEN: list[list[str]] = []
 
 
 def test_no_import_cycle_but_the_listed_ones():
@@ -132,3 +133,13 @@ def test_only_the_application_layer_and_gpu_cost_import_moe():
     users = sorted(m for m, deps in g.items() if m.startswith("eplb")
                    and any(d == "moe" or d.startswith("moe.") for d in deps))
     assert users == ["eplb.ops.demo", "eplb.ops.demo_hf", "eplb.ops.gpu_cost"], users
+
+
+def test_config_names_only_the_policy_base():
+    """`eplb.core.config` imports only `eplb.core.policy.base` at module level (importing
+    config loads no planner); `verify()` looks the policy name up in the registry."""
+    import ast
+    tree = ast.parse((ROOT / "eplb" / "core" / "config.py").read_text())
+    top = {n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
+    top |= {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+    assert sorted(m for m in top if m.startswith("eplb.core.policy")) == ["eplb.core.policy.base"]

@@ -56,7 +56,7 @@ MAX_LINES = 400
 # modules still over MAX_LINES (issue 31), each being split by its owner; each says why in
 # its docstring meanwhile. Take an entry out once its module is under the limit.
 OVER_LIMIT = {"eplb/runtime/runtime.py", "eplb/runtime/placement_change.py", "eplb/runtime/resize.py",
-              "eplb/core/policy/refinement.py"}
+              "eplb/core/policy/balanced/refinement.py"}
 
 
 def _line_counts() -> dict[str, int]:

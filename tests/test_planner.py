@@ -14,8 +14,9 @@ import pytest
 
 from eplb.core.placement import Placement
 from eplb.core.planning import plan
-from eplb.core.policy import PolicyOptions, get_policy
-from eplb.core.policy.replicas import compositions, exact_counts_pairs, pairing_max, replica_counts
+from eplb.core.policy.base import PolicyOptions
+from eplb.core.policy.registry import get_policy
+from eplb.core.policy.balanced.replicas import compositions, exact_counts_pairs, pairing_max, replica_counts
 from eplb.core.transfer_plan import transfer_stats
 
 DATA = Path(__file__).parent / "data"
@@ -434,7 +435,7 @@ def test_align_relabels_gpus_and_keeps_stayers_in_their_slots():
     """`moves.align` (vectorised, int32 ids) moves whole GPUs (loads unchanged), every
     expert that stays on its matched old GPU keeps its old slot, and the result equals a
     per-GPU reference, with the slot sources of `with_source` consistent."""
-    from eplb.core.policy.moves import align
+    from eplb.core.policy.balanced.moves import align
 
     rng = np.random.default_rng(7)
     for _ in range(60):
@@ -470,7 +471,7 @@ def test_align_with_more_than_127_slots_per_gpu():
     """`moves.align` keeps a GPU's slot indices in 1 byte only while they fit: with 130
     slots per GPU (wider slot map) stayers still keep their last old slot, newcomers fill
     the free slots in order, as in the per-GPU reference."""
-    from eplb.core.policy.moves import align
+    from eplb.core.policy.balanced.moves import align
 
     rng = np.random.default_rng(3)
     m, s, n, R = 2, 130, 150, 3
@@ -493,7 +494,7 @@ def _pack_reference(w, c, m):
     """`packing.pack` one row at a time in plain Python: rounds of heavy items to the GPUs
     below the mean load and light items to the others, and the in-round trade of an item
     whose expert its GPU already holds (nearest tradable item, lower index on ties)."""
-    from eplb.core.policy.rows import argsort_rows
+    from eplb.core.policy.balanced.rows import argsort_rows
 
     R, n = w.shape
     p = int(c[0].sum())
@@ -554,7 +555,7 @@ def test_pack_matches_a_per_row_reference():
     """The vectorised packing rounds (presence map, in-round trades of items whose expert
     is already on the GPU) give the plain per-row reference's placement, bit for bit,
     on skewed loads with many replicas per expert and on loads with ties."""
-    from eplb.core.policy.packing import pack
+    from eplb.core.policy.balanced.packing import pack
 
     for w, c, m in _pack_problems(11, 40, lambda trial, rng: int(rng.integers(2, 7)), (1, 6), 6, 3):
         assert np.array_equal(pack(w, c, m), _pack_reference(w, c, m))
@@ -566,9 +567,9 @@ def test_the_max_gpu_loads_the_steps_hand_on_are_those_of_max_load():
     they must be `rows.max_load`'s bit for bit (plans compare them with `<`), on small
     problems (where DeepSeek's plan may replace a row) and large ones, with hot experts
     (refill_hot changes rows) and with ties."""
-    from eplb.core.policy.packing import pack, refill_hot
-    from eplb.core.policy.rows import gpu_sums, max_load, slot_loads, counts_of
-    from eplb.core.policy.solve import solve
+    from eplb.core.policy.balanced.packing import pack, refill_hot
+    from eplb.core.policy.balanced.rows import gpu_sums, max_load, slot_loads, counts_of
+    from eplb.core.policy.balanced.solve import solve
 
     refilled = 0
     for w, c, m in _pack_problems(5, 30, lambda trial, rng: int(rng.integers(2, 9)), (2, 7), 7, 4):
@@ -606,7 +607,7 @@ def test_pack_trades_alike_in_passes_and_one_by_one(monkeypatch, few):
     Python when at most `_FEW` are (left), or both: each gives the per-row reference's
     placement, also with 8 GPUs (closed GPUs counted in a 64-bit word) and with more
     rows than GPUs (per-row tables)."""
-    from eplb.core.policy import packing
+    from eplb.core.policy.balanced import packing
 
     monkeypatch.setattr(packing, "_FEW", few)
     for w, c, m in _pack_problems(12, 30, lambda trial, rng: 8 if trial % 2 else int(rng.integers(2, 12)), (2, 6), 16, 3):
@@ -618,7 +619,7 @@ def test_untangle_trades_with_the_lower_of_two_equally_near_items(monkeypatch, f
     """An item whose expert its GPU already holds trades GPUs with the nearest free item
     of the round, the lower one when two are as near (in passes and one by one alike):
     the plans depend on it, and random packings almost never meet such a tie."""
-    from eplb.core.policy import packing
+    from eplb.core.policy.balanced import packing
 
     monkeypatch.setattr(packing, "_FEW", few)
     m = 3
@@ -636,7 +637,7 @@ def test_has_duplicates_looks_inside_each_gpu_only():
     """`rows.has_duplicates` (used by the duplicate repair, the refill and the pair
     exchanges) flags a row where one GPU holds an expert twice, and not a row where two
     neighbouring GPUs share an expert across their boundary."""
-    from eplb.core.policy.rows import has_duplicates
+    from eplb.core.policy.balanced.rows import has_duplicates
 
     p2l = np.array([[0, 1, 1, 2],  # GPUs [0, 1], [1, 2]: expert 1 on both, once each
                     [0, 1, 2, 2],  # GPU [2, 2]: twice
@@ -650,7 +651,7 @@ def test_align_refuses_a_gpu_holding_an_expert_twice(monkeypatch):
     """`moves.align` relies on every GPU of `new` holding an expert once: two replicas of
     one expert on one GPU would both claim the old slot, so it raises instead of writing
     a placement with holes (map and comparison paths alike)."""
-    from eplb.core.policy import moves
+    from eplb.core.policy.balanced import moves
 
     old = np.array([[0, 1, 2, 3]])
     with pytest.raises(ValueError, match="holds an expert twice"):
@@ -664,7 +665,7 @@ def test_align_refuses_a_gpu_holding_an_expert_twice(monkeypatch):
 def test_align_without_the_slot_map(monkeypatch):
     """With many GPUs and experts `moves.align` finds the old slots by comparison passes
     instead of a (row, GPU, expert) map: the same results as the per-GPU reference."""
-    from eplb.core.policy import moves
+    from eplb.core.policy.balanced import moves
 
     monkeypatch.setattr(moves, "_SLOT_MAP_MAX", 0)
     test_align_relabels_gpus_and_keeps_stayers_in_their_slots()

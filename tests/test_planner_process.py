@@ -13,7 +13,7 @@ from eplb.core.config import EplbConfig
 from eplb.core.placement import Placement
 from eplb.runtime.planner_process import PlannerProcess, PlannerProcessError
 from eplb.core.planning import plan
-from eplb.core.policy import register_policy
+from eplb.core.policy.registry import register_policy
 from eplb.runtime import EplbRuntime
 
 
@@ -138,7 +138,7 @@ def test_async_runtime_plans_in_the_child_on_rank_0():
 
 @register_policy("test-planner-process-local")
 def _local_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options=None):
-    from eplb.core.policy import get_policy
+    from eplb.core.policy.registry import get_policy
 
     return get_policy("default")(load, num_slots, num_gpus, num_nodes, num_groups, previous, options)
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from eplb.core.planning import plan
-from eplb.core.policy.moves import transition
-from eplb.core.policy.refinement import improve_max
-from eplb.core.policy.packing import refill_hot
-from eplb.core.policy.rows import counts_of, has_duplicates, max_load
-from eplb.core.policy.solve import solve
+from eplb.core.policy.balanced.moves import transition
+from eplb.core.policy.balanced.refinement import improve_max
+from eplb.core.policy.balanced.packing import refill_hot
+from eplb.core.policy.balanced.rows import counts_of, has_duplicates, max_load
+from eplb.core.policy.balanced.solve import solve
 
 
 def hot_load(N, L, M, k, f, sigma, seed):

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-import eplb.core.policy
+import eplb.core.policy.registry
 from eplb.core.placement import Placement
 from eplb.core.planning import plan
-from eplb.core.policy import available_policies, get_policy, register_policy
+from eplb.core.policy.registry import available_policies, get_policy, register_policy
 from eplb.core.policy.deepseek import balanced_packing, rebalance_experts, replicate_experts
 
 DATA = Path(__file__).parent / "data"
@@ -152,8 +152,8 @@ def test_custom_policy_output_is_checked():
         with pytest.raises(ValueError, match="policy '_test_shape' returned shape"):
             plan(np.ones((2, 4)), 2, 4, policy="_test_shape")
     finally:
-        eplb.core.policy._REGISTRY.pop("_test_bad")
-        eplb.core.policy._REGISTRY.pop("_test_shape")
+        eplb.core.policy.registry._REGISTRY.pop("_test_bad")
+        eplb.core.policy.registry._REGISTRY.pop("_test_shape")
 
 
 # ---- validity on random loads -------------------------------------------------------
@@ -279,7 +279,7 @@ def test_move_tolerance_default_is_the_same_everywhere():
 
     from eplb.core.config import EplbConfig
     from eplb.core.planning import plan as plan_fn
-    from eplb.core.policy import DEFAULT_MOVE_TOLERANCE, PolicyOptions
+    from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE, PolicyOptions
 
     assert EplbConfig().move_tolerance == DEFAULT_MOVE_TOLERANCE == PolicyOptions().move_tolerance
     assert inspect.signature(plan_fn).parameters["move_tolerance"].default == DEFAULT_MOVE_TOLERANCE

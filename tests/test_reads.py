@@ -1,4 +1,4 @@
-"""Decode-aware packing (`read_tokens`, eplb.core.policy.reads): the pass lowers the largest
+"""Decode-aware packing (`read_tokens`, eplb.core.policy.balanced.reads): the pass lowers the largest
 per-GPU cost of tokens plus weight reads, computed here on its own from the placement,
 keeps replica counts, the one-replica-per-GPU rule and node locality, and does nothing
 where every slot is warm."""
@@ -85,7 +85,7 @@ def test_warm_slots_leave_the_plan_as_it_is():
 
 
 def test_with_previous_small_gains_do_not_move():
-    N, M, P = 64, 8, 72
+    M, P = 8, 72
     load = _loads(5)
     choices = M * 16 * 4.0
     prev = plan(load, M, P)

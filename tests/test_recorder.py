@@ -252,7 +252,7 @@ def test_runtime_rebalance_passes_decay_and_planner_knobs():
     """rebalance() plans on the decay-weighted window with the config's move_tolerance and
     weighted_replicas (seen by a registered policy, the public way in)."""
     from eplb import EplbRuntime, register_policy
-    from eplb.core.policy import get_policy
+    from eplb.core.policy.registry import get_policy
     from eplb.core.config import EplbConfig
     from moe import MoEArgs, MoEModel, sample_tokens
 

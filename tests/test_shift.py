@@ -104,7 +104,7 @@ LOADS: list[np.ndarray] = []  # the loads [L, N] it planned on
 
 
 def _recording_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options=None):
-    from eplb.core.policy import get_policy
+    from eplb.core.policy.registry import get_policy
 
     TOLERANCES.append(options.move_tolerance)
     LOADS.append(np.array(load))
@@ -113,7 +113,7 @@ def _recording_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous
 
 def _runtime(group, device, threshold):
     from eplb.core.config import EplbConfig
-    from eplb.core.policy import available_policies, register_policy
+    from eplb.core.policy.registry import available_policies, register_policy
 
     if "test-shift-recording" not in available_policies():
         register_policy("test-shift-recording")(_recording_policy)

@@ -12,7 +12,7 @@ import pytest
 
 from _cli import run_main
 from eplb.core.placement import Placement
-from eplb.core.policy import register_policy
+from eplb.core.policy.registry import register_policy
 from eplb.core.simulate import aggregate_steps, simulate, step_imbalance, window_load
 
 PLANEVAL = Path(__file__).resolve().parents[2] / "shared" / "tools" / "planeval.py"
@@ -54,13 +54,13 @@ TEST_POLICIES = {"_test_hot": _hot_policy, "_test_weighted": _weighted_policy, "
 @pytest.fixture(autouse=True, scope="module")
 def _test_policies():
     """Register the test policies for this module only (no other test sees them)."""
-    import eplb.core.policy
+    import eplb.core.policy.registry
 
     for name, fn in TEST_POLICIES.items():
         register_policy(name)(fn)
     yield
     for name in TEST_POLICIES:
-        eplb.core.policy._REGISTRY.pop(name, None)
+        eplb.core.policy.registry._REGISTRY.pop(name, None)
 
 
 A = [1, 1, 6, 0]  # expert 2 hot

@@ -390,10 +390,10 @@ def _fixed_weighted_policy(load, num_slots, num_gpus, num_nodes, num_groups, pre
 
 
 def _rebalance_shares_body(rank, world):
-    import eplb.core.policy
+    import eplb.core.policy.registry
     from moe import DenseMoEModel, MoEModel, sample_tokens
 
-    eplb.core.policy.register_policy("_test_weighted")(_fixed_weighted_policy)
+    eplb.core.policy.registry.register_policy("_test_weighted")(_fixed_weighted_policy)
     device = device_for(rank)
     args = _args()
     model = MoEModel(args, group=dist.group.WORLD, device=device)
@@ -417,9 +417,9 @@ def _rebalance_shares_body(rank, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_rebalance_broadcasts_planned_shares(world):
     if world == 1:
-        import eplb.core.policy
+        import eplb.core.policy.registry
 
-        eplb.core.policy.register_policy("_test_weighted")(_fixed_weighted_policy)
+        eplb.core.policy.registry.register_policy("_test_weighted")(_fixed_weighted_policy)
         try:
             from moe import MoEModel, sample_tokens
 
@@ -433,7 +433,7 @@ def test_rebalance_broadcasts_planned_shares(world):
             runtime.rebalance()
             assert runtime.placement.shares is not None
         finally:
-            eplb.core.policy._REGISTRY.pop("_test_weighted", None)
+            eplb.core.policy.registry._REGISTRY.pop("_test_weighted", None)
     else:
         run_distributed(_rebalance_shares_body, world)
 

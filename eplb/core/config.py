@@ -10,7 +10,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from eplb.core.policy import DEFAULT_MOVE_TOLERANCE
+from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
 from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD
 
 TRANSPORTS = ("nccl", "ipc", "auto")
@@ -34,7 +34,7 @@ class EplbConfig:
     rebalance_interval: int = 3000
     """Rebalance every this many `step()` calls; 0 = only when asked (`rebalance()`)."""
     policy: str = "default"
-    """Planner name, see `eplb.core.policy.available_policies()`."""
+    """Planner name, see `eplb.core.policy.registry.available_policies()`."""
     num_nodes: int | None = None
     """Nodes the EP ranks span; None = read from torchrun's environment."""
     initial_placement: str | None = None
@@ -45,7 +45,7 @@ class EplbConfig:
     move_tolerance: float = DEFAULT_MOVE_TOLERANCE
     """Relative extra predicted imbalance the planner accepts to keep experts where they
     are (0 = best balance whatever it moves; larger = fewer moves). The default is the
-    planner's (`eplb.core.policy.DEFAULT_MOVE_TOLERANCE`, 0.03), chosen on the ESFT replay
+    planner's (`eplb.core.policy.base.DEFAULT_MOVE_TOLERANCE`, 0.03), chosen on the ESFT replay
     of `benchmarks/planner.py --only moves`: its copies moved and out-of-sample balance
     against DeepSeek EPLB's, per tolerance, are in benchmarks/README.md ("Planner:
     `default` (balanced) against `deepseek`", table 3. Moves; "Planner round 3", Target 3)."""
@@ -115,7 +115,7 @@ class EplbConfig:
                num_physical_experts: int | None = None) -> "EplbConfig":
         """Check against the model and the EP group; return the config with resolved values."""
         from eplb.core.planning import check_min_gain, check_move_tolerance
-        from eplb.core.policy import available_policies
+        from eplb.core.policy.registry import available_policies
 
         N, M = num_logical_experts, num_gpus
         R = self.num_redundant_experts

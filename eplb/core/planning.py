@@ -14,7 +14,8 @@ import numpy as np
 
 from eplb.core.loadio import MAX_EXPERTS, MAX_SLOTS, as_load
 from eplb.core.placement import Placement
-from eplb.core.policy import DEFAULT_MOVE_TOLERANCE, PolicyOptions, get_policy
+from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE, PolicyOptions
+from eplb.core.policy.registry import get_policy
 
 
 def plan(
@@ -40,7 +41,7 @@ def plan(
     experts in place; `weighted` asks for per-slot shares (weighted replicas);
     `read_tokens` > 0 makes the planner decode-aware: a slot's weight read costs that many
     tokens whenever the slot gets a token, out of `step_choices` token-expert choices per
-    step and layer (`eplb.core.policy.reads`).
+    step and layer (`eplb.core.policy.balanced.reads`).
 
     An all-zero load (or an all-zero layer) is legitimate, e.g. a window with no traffic:
     it gives a valid placement (every expert has a replica, no division by zero); all

@@ -39,7 +39,7 @@ import numpy as np
 from eplb.core.cost_model import ExpertCost, LinkModel, ModelShape, exchange_seconds, move_seconds
 from eplb.core.placement import Placement
 from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD, check_topology, positive_int
-from eplb.core.policy import DEFAULT_MOVE_TOLERANCE
+from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
 from eplb.core.simulate import (Block, oracle_blocks, rebalance_steps, replay_policy)
 from eplb.core.workload import check_trace
 

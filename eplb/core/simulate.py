@@ -37,7 +37,8 @@ from eplb.core.placement import Placement
 from eplb.core.planning import (DEFAULT_MIN_GAIN, DEFAULT_SHIFT_THRESHOLD, ShiftState, check_min_gain,
                                 check_move_tolerance, check_topology, plan, plan_tolerance, positive_int,
                                 worth_moving)
-from eplb.core.policy import DEFAULT_MOVE_TOLERANCE, get_policy
+from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
+from eplb.core.policy.registry import get_policy
 from eplb.core.transfer_plan import transfer_stats
 from eplb.core.workload import check_trace
 

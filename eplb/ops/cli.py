@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     from eplb.ops.demo_args import add_demo_arguments
 
     from eplb import __version__
-    from eplb.core.policy import available_policies
+    from eplb.core.policy.registry import available_policies
 
     p = _Parser(prog="eplb", description="Expert-parallel load balancer for MoE models.")
     p.add_argument("--version", action="version", version=f"eplb {__version__}")

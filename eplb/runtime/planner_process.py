@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from eplb.core.policy import DEFAULT_MOVE_TOLERANCE
+from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
 
 log = logging.getLogger("eplb.runtime.planner_process")
 
@@ -171,7 +171,7 @@ class PlannerProcess:
 def _serve(requests: BinaryIO, replies: BinaryIO) -> int:
     """The child's loop: answer requests until stdin closes."""
     from eplb.core.planning import plan
-    from eplb.core.policy import available_policies
+    from eplb.core.policy.registry import available_policies
 
     while True:
         try:

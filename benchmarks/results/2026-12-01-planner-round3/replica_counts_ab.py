@@ -1,6 +1,6 @@
 """replica_counts before (bisection, 7880c3d) and after (candidate partition): median ms of
 200 calls at the speed shapes, and the same counts. Run from the repository root:
-git show 7880c3d:eplb/core/policy/replicas.py > /tmp/replicas_old.py
+git show 7880c3d:eplb/core/policy/balanced/replicas.py > /tmp/replicas_old.py
 OMP_NUM_THREADS=1 taskset -c 1 python benchmarks/results/2026-12-01-planner-round3/replica_counts_ab.py /tmp/replicas_old.py"""
 import importlib.util
 import sys
@@ -11,7 +11,7 @@ import numpy as np
 sys.path.insert(0, "benchmarks")
 from planner import speed_loads  # noqa: E402
 
-from eplb.core.policy.replicas import replica_counts  # noqa: E402
+from eplb.core.policy.balanced.replicas import replica_counts  # noqa: E402
 
 spec = importlib.util.spec_from_file_location("replicas_old", sys.argv[1])
 old = importlib.util.module_from_spec(spec)

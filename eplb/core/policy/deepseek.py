@@ -15,6 +15,7 @@ rows (layers) at once, which makes the same choices as the row-by-row loop, only
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 Tensor = torch.Tensor
@@ -164,3 +165,12 @@ def rebalance_experts(
         torch.arange(num_replicas, dtype=torch.int64).expand(num_layers, -1),  # [L, P]
     )
     return phy2log, log2phy, logcnt
+
+
+def deepseek_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options=None):
+    """DeepSeek EPLB as a policy (registered as `deepseek`): `rebalance_experts` on `load
+    [L, N]`; ignores `previous` and the options, as the published algorithm does."""
+    phy2log, _, _ = rebalance_experts(
+        torch.tensor(load, dtype=torch.float64), num_slots, num_groups, num_nodes, num_gpus
+    )  # [L, P]
+    return phy2log.numpy().astype(np.int64)

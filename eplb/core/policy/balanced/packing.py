@@ -6,8 +6,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from eplb.core.policy.replicas import expand
-from eplb.core.policy.rows import argsort_rows, counts_of, gpu_sums, has_duplicates, max_load, presence, slot_loads, take
+from eplb.core.policy.balanced.replicas import expand
+from eplb.core.policy.balanced.rows import argsort_rows, counts_of, gpu_sums, has_duplicates, max_load, presence, slot_loads, take
 
 
 def pack(w: np.ndarray, c: np.ndarray, m: int, with_loads: bool = False):

@@ -10,11 +10,11 @@ import numpy as np
 import torch
 
 from eplb.core.policy import deepseek
-from eplb.core.policy.budgets import SMALL
-from eplb.core.policy.moves import plan_rows
-from eplb.core.policy.packing import pack
-from eplb.core.policy.refinement import improve_pairs
-from eplb.core.policy.rows import lexmin, max_load, take
+from eplb.core.policy.balanced.budgets import SMALL
+from eplb.core.policy.balanced.moves import plan_rows
+from eplb.core.policy.balanced.packing import pack
+from eplb.core.policy.balanced.refinement import improve_pairs
+from eplb.core.policy.balanced.rows import lexmin, max_load, take
 
 
 def plan_hierarchical(w, P, M, k, G, prev, tol) -> np.ndarray:

@@ -1,6 +1,6 @@
 """From-scratch placement of a set of rows: the `balanced` planner's pipeline (counts,
 packing, pair exchanges, max-GPU moves, count search, hot refill) under the budgets of
-`eplb.core.policy.budgets`."""
+`eplb.core.policy.balanced.budgets`."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,13 +8,13 @@ import torch
 
 from eplb.core.policy import deepseek
 
-from eplb.core.policy.budgets import (COUNT_ITERS, COUNT_MOVES_WORK, COUNT_WORK, EXACT_COUNTS_MAX, EXACT_COUNTS_WORK,
+from eplb.core.policy.balanced.budgets import (COUNT_ITERS, COUNT_MOVES_WORK, COUNT_WORK, EXACT_COUNTS_MAX, EXACT_COUNTS_WORK,
                                  GOOD_ENOUGH, MAX2_WORK, MAX_ITERS, MAX_WORK, PAIR_ITERS, PAIR_WORK, SMALL,
                                  iterations)
-from eplb.core.policy.packing import pack, pack_pairs, refill_hot, repair_duplicates
-from eplb.core.policy.refinement import improve_max, improve_pairs
-from eplb.core.policy.replicas import compositions, count_search_pairs, exact_counts_pairs, replica_counts
-from eplb.core.policy.rows import argsort_rows, counts_of, has_duplicates, max_load, take
+from eplb.core.policy.balanced.packing import pack, pack_pairs, refill_hot, repair_duplicates
+from eplb.core.policy.balanced.refinement import improve_max, improve_pairs
+from eplb.core.policy.balanced.replicas import compositions, count_search_pairs, exact_counts_pairs, replica_counts
+from eplb.core.policy.balanced.rows import argsort_rows, counts_of, has_duplicates, max_load, take
 
 
 def solve(w: np.ndarray, p: int, m: int, share: float = 1.0, with_reference: bool = False):

@@ -45,10 +45,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.core.policy.moves import plan_rows
-from eplb.core.policy.reads import spread_reads
-from eplb.core.policy.shares import plan_shares, replica_shares
-from eplb.core.policy.topology import plan_hierarchical
+from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
+from eplb.core.policy.deepseek import deepseek_policy
+from eplb.core.policy.balanced.moves import plan_rows
+from eplb.core.policy.balanced.reads import spread_reads
+from eplb.core.policy.balanced.shares import plan_shares, replica_shares
+from eplb.core.policy.balanced.topology import plan_hierarchical
 
 
 def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options=None):
@@ -108,8 +110,6 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
     w = np.asarray(load, dtype=np.float64)  # [L, N]
     L, N = w.shape
     P, M = int(num_slots), int(num_gpus)
-    from eplb.core.policy import DEFAULT_MOVE_TOLERANCE  # here: eplb.core.policy imports this module
-
     tol = DEFAULT_MOVE_TOLERANCE if options is None else float(options.move_tolerance)
     weighted = False if options is None else bool(options.weighted)
     prev = None if previous is None else np.asarray(previous.physical_to_logical, dtype=np.int64)  # [L, P]
@@ -117,8 +117,6 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
     hierarchical = k > 1 and num_groups % k == 0
     if (P * k > N * M) if hierarchical else (P > N * M):
         # more slots per GPU than experts to fill them: duplicates cannot be avoided
-        from eplb.core.policy import deepseek_policy
-
         p2l = deepseek_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options)
         return (p2l, replica_shares(w, p2l, M)) if weighted else p2l
     if hierarchical:

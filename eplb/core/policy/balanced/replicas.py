@@ -6,7 +6,7 @@ from typing import Optional
 
 import numpy as np
 
-from eplb.core.policy.rows import REL_EPS, argsort_rows, sort_keys, take
+from eplb.core.policy.balanced.rows import REL_EPS, argsort_rows, sort_keys, take
 
 
 def replica_counts(w: np.ndarray, p: int, cap: int) -> np.ndarray:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import numpy as np
 
-from eplb.core.policy.rows import argsort_rows, counts_of, gpu_sums, presence, slot_loads, take
+from eplb.core.policy.balanced.rows import argsort_rows, counts_of, gpu_sums, presence, slot_loads, take
 
 
 def replica_shares(w: np.ndarray, p2l: np.ndarray, m: int, iters: int = 300) -> np.ndarray:
@@ -281,7 +281,7 @@ def _chain_on_nodes(w, p2l, m, k, s, prev):
     local, shares = chain_shares(sub_w, m // k, s)  # [L k, P/k] local ids
     glob = np.take_along_axis(order, local, 1)  # [L k, P/k]
     if prev is not None:
-        from eplb.core.policy.moves import align
+        from eplb.core.policy.balanced.moves import align
 
         glob, src = align(glob, prev.reshape(L * k, P // k), m // k, N, with_source=True)
         shares = np.take_along_axis(shares, src, 1)
@@ -310,7 +310,7 @@ def chain_shares(w: np.ndarray, m: int, s: int) -> tuple[np.ndarray, np.ndarray]
     N + m, the heaviest experts get several (`replica_counts`), one item per replica.
 
     w [R, n], s slots per GPU (s >= 2, m (s - 1) >= n) -> p2l [R, m s], shares [R, m s]."""
-    from eplb.core.policy.solve import solve  # (solve imports nothing from this module)
+    from eplb.core.policy.balanced.solve import solve  # (solve imports nothing from this module)
 
     R, n = w.shape
     q = s - 1

@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from eplb.core.policy.rows import REL_EPS, argsort_rows, counts_of, gpu_sums, has_duplicates, lexmin, presence, slot_loads, take
+from eplb.core.policy.balanced.rows import REL_EPS, argsort_rows, counts_of, gpu_sums, has_duplicates, lexmin, presence, slot_loads, take
 
 
 _MAX_CANDIDATES = 5_000  # candidate moves per kind and max-GPU iteration, all rows together
@@ -224,7 +224,7 @@ def improve_max(
     p2l: np.ndarray,
     m: int,
     cap: int,
-    budget: int,  # iterations at most (see eplb.core.policy.budgets)
+    budget: int,  # iterations at most (see eplb.core.policy.balanced.budgets)
     target: Optional[np.ndarray] = None,  # [R] stop a row once its max GPU load is at most this
     fix: bool = False,  # with target: moves that bring g* within the target come first
 ) -> tuple[np.ndarray, np.ndarray]:

@@ -6,11 +6,11 @@ from typing import Optional
 
 import numpy as np
 
-from eplb.core.policy.budgets import PREV_ITERS, PREV_WORK, SMALL, iterations
-from eplb.core.policy.packing import repair_duplicates
-from eplb.core.policy.refinement import improve_max
-from eplb.core.policy.rows import argsort_rows, counts_of, gpu_sums, max_load, presence, slot_loads, take
-from eplb.core.policy.solve import solve
+from eplb.core.policy.balanced.budgets import PREV_ITERS, PREV_WORK, SMALL, iterations
+from eplb.core.policy.balanced.packing import repair_duplicates
+from eplb.core.policy.balanced.refinement import improve_max
+from eplb.core.policy.balanced.rows import argsort_rows, counts_of, gpu_sums, max_load, presence, slot_loads, take
+from eplb.core.policy.balanced.solve import solve
 
 
 def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, with_source: bool = False):
