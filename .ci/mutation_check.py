@@ -74,7 +74,7 @@ MUTATIONS = [
         ("tests/test_transfer_fuzz.py::test_fuzz_transitions_4_ranks",),
         "a switch copies physical_to_logical but not logical_to_physical_map (and the rest)"),
     Mutation(
-        "copy_runs_off_by_one", ("eplb.runtime.transports",),
+        "copy_runs_off_by_one", ("eplb.runtime.transport_base",),
         "            d[d0:d0 + n].copy_(t[s0:s0 + n])\n",
         "            d[d0:d0 + n - 1].copy_(t[s0:s0 + n - 1])\n",
         ("tests/test_transfer_fuzz.py::test_fuzz_transitions_4_ranks",),

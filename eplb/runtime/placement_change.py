@@ -13,7 +13,7 @@ Every changed layer goes through three stages:
 2. **agree**: at a step boundary all ranks all-reduce (on a CPU/gloo group) how many
    layers they have staged and whether anything failed;
 3. **switch**: when every rank has the layer staged, each rank writes its changed slots
-   from staging (`transfer.write_layer`) and copies the layer's rows of the new maps, on
+   from staging (the transport's `write`, by default `write_layer`) and copies the layer's rows of the new maps, on
    the caller's stream. Weights and maps of a layer therefore switch together, at the same
    step on every rank, and every forward sees each layer wholly old or wholly new.
 
@@ -57,7 +57,8 @@ from eplb.core.transfer_plan import LayerTransferPlan, plan_layer_transfer
 from eplb.runtime import transfer as _transfer
 from eplb.runtime.control import PendingMin, agree_min
 from eplb.runtime.groups import EplbGroups
-from eplb.runtime.transports import allocate_staging
+from eplb.runtime.transport_base import Transport, allocate_staging
+from eplb.runtime.transport_choice import resolve_transport
 from eplb.runtime.verify import TransferVerificationError, expected_checksums, slot_checksums
 
 log = logging.getLogger("eplb.runtime.placement_change")
@@ -109,7 +110,7 @@ class StagingCache:
         self._buf: list[torch.Tensor] | None = None
 
     def get(self, transport, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        hold = getattr(transport, "hold", None)
+        hold = transport.hold
         if hold is not None and _fits(hold, weights):
             return list(hold)
         if self._buf is None or not _fits(self._buf, weights):
@@ -143,8 +144,9 @@ class PlacementChange:
     the layer switches.
     `groups`: `transfer` carries the weights (EP backend), `control` (gloo) the step
     loop's agreements, `plan` (gloo) the thread's small CPU collectives.
-    `transport`: a transport object (`make_transport`); one with a `write(plan, weights,
-    staging)` method writes the slots itself (else `transfer.write_layer`).
+    `transport`: a `Transport` (`make_transport`, or one deriving from `TransportBase`);
+    the mover calls its `exchange`, `write`, `can_move`/`move`, `hold` and
+    `exchange_launches_no_kernels`.
     `stream`: the side CUDA stream of the background thread (asynchronous mode; None
     creates one, which initialises torch's stream pool the first time).
     `staging`: the owner's StagingCache (default: a new one, freed when the change ends).
@@ -166,7 +168,7 @@ class PlacementChange:
         self.options = options
         self.device = device if device is not None else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
-        self.transport = transport
+        self.transport: Transport = resolve_transport(transport)
         self.stream = stream  # the background thread's CUDA stream (None: a new one)
         self.staging_cache = staging if staging is not None else StagingCache()
         self.on_switch = on_switch
@@ -254,7 +256,7 @@ class PlacementChange:
         launch = self.options.launch
         self.launch_in_step = launch == "step" or (
             launch == "auto" and self.cuda and self.num_ranks > 1
-            and not getattr(self.transport, "exchange_launches_no_kernels", False))
+            and not self.transport.exchange_launches_no_kernels)
         if self.cuda and self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
         self._thread = threading.Thread(target=self._background, name="eplb-rebalance", daemon=True)
@@ -409,7 +411,7 @@ class PlacementChange:
             plan = plan_layer_transfer(old_p2l[layer], new_p2l[layer], self.num_ranks, self.rank,
                                        self.options.num_nodes)
             verify = self.options.verify
-            if not self.pipelined and not verify and _transfer.moves_in_place(self.transport, weights):
+            if not self.pipelined and not verify and self.transport.can_move(weights):
                 # synchronous, over IPC: the switch moves the layer in place in one pass
                 # (`IpcTransport.move`), nothing is staged ahead
                 with self._cv:
@@ -483,8 +485,7 @@ class PlacementChange:
                     # memory from being reused before this stream has read them
                     for t in (*self._staging, *self._new_maps):
                         t.record_stream(stream)
-                write = getattr(self.transport, "write", None) or _transfer.write_layer
-                write(plan, self.weights[layer], self._staging)
+                self.transport.write(plan, self.weights[layer], self._staging)
                 self.counts["bytes_received"] += plan.num_received * _bytes_per_slot(self.weights[layer])
             for dst, src in zip(self.maps, self._new_maps):
                 dst[layer].copy_(src[layer])

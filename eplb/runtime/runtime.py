@@ -435,9 +435,7 @@ class EplbRuntime:
             change.join(max(0.0, deadline - time.monotonic()))
         self._stale = [c for c in self._stale if c.thread_alive]
         self.planner.close()
-        close_transport = getattr(self.transport, "close", None)
-        if close_transport is not None:  # IPC: drop the mappings of the peers' tensors
-            close_transport()
+        self.transport.close()  # IPC: drop the mappings of the peers' tensors
         if self._stale:
             log.warning("eplb: %d rebalance thread(s) still waiting in a transfer at close",
                         len(self._stale))
