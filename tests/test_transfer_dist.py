@@ -15,7 +15,7 @@ from eplb.core.placement import Placement
 from eplb.runtime.executor import TransferExecutor
 from eplb.core.transfer_plan import plan_layer_transfer, transfer_stats
 from eplb.runtime.transfer import execute_layer_transfer
-from eplb.runtime.transport_base import allocate_staging
+from eplb.runtime.staging import allocate_staging
 
 SHAPE1 = (3, 4)  # w1: contiguous float32 [S, 3, 4]
 BIG2 = (5, 6)  # w2: int32 view [S, 3, 3] = big[:, 1:4, ::2] of big [S, 5, 6]
@@ -205,7 +205,7 @@ def _run_chunked(rank: int, world_size: int, seed: int, N: int, P: int) -> None:
     """Every chunk size, random transitions: exchange_layer leaves weights untouched and
     fills staging bitwise; write_layer then gives every slot its new expert."""
     from eplb.runtime.transfer import exchange_layer
-    from eplb.runtime.transport_base import staging_rows, write_layer
+    from eplb.runtime.staging import staging_rows, write_layer
     from eplb.runtime.transports import P2PTransport
 
     device = device_for(rank)
@@ -245,7 +245,7 @@ def _run_swap_direct(rank: int, world_size: int) -> None:
     """Whole-layer swap with contiguous weights: one message per tensor and direction,
     sent straight from the weights (no pack buffer); chunked, several per tensor."""
     from eplb.runtime.transfer import exchange_layer
-    from eplb.runtime.transport_base import write_layer
+    from eplb.runtime.staging import write_layer
     from eplb.runtime.transports import P2PTransport
 
     device = device_for(rank)
@@ -269,7 +269,7 @@ def _run_pack_in_spare_rows(rank: int, world_size: int) -> None:
     """Scattered sends are packed; with staging for S rows and few rows used, the pack
     buffers live in the unused rows (nothing allocated), else they are allocated."""
     from eplb.runtime.transfer import exchange_layer
-    from eplb.runtime.transport_base import write_layer
+    from eplb.runtime.staging import write_layer
     from eplb.runtime.transports import P2PTransport
 
     device = device_for(rank)
@@ -408,7 +408,7 @@ def test_copy_flat_range_matches_flatten():
 
 def test_execution_input_errors():
     from eplb.runtime.transfer import exchange_layer
-    from eplb.runtime.transport_base import write_layer
+    from eplb.runtime.staging import write_layer
     from eplb.runtime.transport_choice import make_transport
     from eplb.runtime.transports import P2PTransport
 

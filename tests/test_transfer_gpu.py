@@ -26,7 +26,7 @@ from eplb.runtime.executor import TransferExecutor
 from eplb.core.transfer_plan import plan_layer_transfer
 from eplb.runtime.ipc import IpcTransport
 from eplb.runtime.transfer import exchange_layer, execute_layer_transfer
-from eplb.runtime.transport_base import allocate_staging, staging_rows, write_layer
+from eplb.runtime.staging import allocate_staging, staging_rows, write_layer
 from eplb.runtime.transport_choice import AUTO_PREFERS_IPC, make_transport
 from eplb.runtime.transports import P2PTransport
 

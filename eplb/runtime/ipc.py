@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from eplb.core.transfer_plan import LayerTransferPlan, hold_rows, in_place_ops
-from eplb.runtime.transport_base import TransportBase, allocate_staging, copy_runs
+from eplb.runtime.staging import allocate_staging, copy_runs
+from eplb.runtime.transport_base import TransportBase
 from eplb.runtime.transports import (DEFAULT_HOLD_CHUNK_BYTES, device_uuid, global_rank,
                                      peer_blocks, send_lists, stage_local, weights_key)
 

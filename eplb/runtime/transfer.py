@@ -50,7 +50,7 @@ from typing import Sequence
 import torch
 
 from eplb.core.transfer_plan import LayerTransferPlan
-from eplb.runtime.transport_base import allocate_staging, check_staging, check_weights
+from eplb.runtime.staging import allocate_staging, check_staging, check_weights
 from eplb.runtime.transport_choice import resolve_transport
 
 __all__ = ["exchange_layer", "execute_layer_transfer"]

@@ -1,8 +1,7 @@
 """The transport contract, written down: `Transport` (what the layer mover and
-`eplb.runtime.transfer` call on a transport, and when), `TransportBase` (the optional
-members' default behaviour; every transport derives from it), and what every transport
-builds on: the staging buffer of one layer and the run-wise slot copies, with
-`write_layer`, the default `write`.
+`eplb.runtime.transfer` call on a transport, and when) and `TransportBase` (the optional
+members' default behaviour; every transport derives from it; its `write` is
+`eplb.runtime.staging.write_layer`).
 
 Below both transports (`eplb.runtime.transports.P2PTransport`, `eplb.runtime.ipc.IpcTransport`)
 and the mover, so each of them imports it and none imports the others back.
@@ -18,21 +17,12 @@ from __future__ import annotations
 import abc
 from typing import ClassVar, Protocol, Sequence, runtime_checkable
 
-import numpy as np
 import torch
 
 from eplb.core.transfer_plan import LayerTransferPlan
+from eplb.runtime.staging import write_layer
 
-__all__ = [
-    "Transport",
-    "TransportBase",
-    "allocate_staging",
-    "check_staging",
-    "check_weights",
-    "copy_runs",
-    "staging_rows",
-    "write_layer",
-]
+__all__ = ["REQUIRED", "Transport", "TransportBase"]
 
 
 @runtime_checkable
@@ -131,69 +121,3 @@ class TransportBase(abc.ABC):
 
 REQUIRED = ("name", "exchange", "settle")
 """The members of `Transport` a subclass of `TransportBase` must define itself."""
-
-
-# ---- staging and slot copies: what every transport builds on ------------------------
-def staging_rows(plan: LayerTransferPlan) -> int:
-    """Staging rows `exchange_layer` needs for `plan` (`plan.num_staged`, at most S)."""
-    return plan.num_staged
-
-
-def allocate_staging(weights: Sequence[torch.Tensor], rows: int | None = None) -> list[torch.Tensor]:
-    """A contiguous staging buffer for one layer: per weight tensor `[rows, ...]`
-    (default `rows = S`, one layer of local experts), same dtype and device."""
-    return [torch.empty((w.shape[0] if rows is None else rows, *w.shape[1:]),
-                        dtype=w.dtype, device=w.device) for w in weights]
-
-
-def check_staging(staging: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], rows: int) -> None:
-    if len(staging) != len(weights):
-        raise ValueError(f"staging has {len(staging)} tensors, the layer has {len(weights)}")
-    for i, (b, w) in enumerate(zip(staging, weights)):
-        if (b.shape[1:] != w.shape[1:] or b.shape[0] < rows or b.dtype != w.dtype
-                or b.device != w.device or not b.is_contiguous()):
-            raise ValueError(
-                f"staging[{i}] must be contiguous [>= {rows}, {', '.join(map(str, w.shape[1:]))}] "
-                f"{w.dtype} on {w.device}; got {tuple(b.shape)} {b.dtype} on {b.device}")
-
-
-def check_weights(plan: LayerTransferPlan, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    weights = list(weights)
-    for i, w in enumerate(weights):
-        if w.shape[0] != plan.slots_per_rank:
-            raise ValueError(f"weights[{i}] has {w.shape[0]} slots, the plan expects {plan.slots_per_rank}")
-    return weights
-
-
-def _runs(a, b) -> list[tuple[int, int, int]]:
-    """Split paired index arrays into maximal runs where both step by +1: `(a0, b0, n)`,
-    so one `copy_` of `n` consecutive slots/rows replaces `n` single-slot copies."""
-    a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)  # [n], [n]
-    if a.size == 0:
-        return []
-    cut = np.flatnonzero((np.diff(a) != 1) | (np.diff(b) != 1)) + 1
-    starts, ends = np.concatenate([[0], cut]), np.concatenate([cut, [a.size]])
-    return [(int(a[s]), int(b[s]), int(e - s)) for s, e in zip(starts, ends)]
-
-
-def copy_runs(dst: Sequence[torch.Tensor], dst_idx, src: Sequence[torch.Tensor], src_idx) -> None:
-    """`dst[i][dst_idx[j]] = src[i][src_idx[j]]` for every tensor `i` and index `j`, one
-    `copy_` per run of indices consecutive on both sides (`_runs`), on the current stream."""
-    for d0, s0, n in _runs(dst_idx, src_idx):
-        for d, t in zip(dst, src):
-            d[d0:d0 + n].copy_(t[s0:s0 + n])
-
-
-@torch.no_grad()
-def write_layer(plan: LayerTransferPlan, weights: Sequence[torch.Tensor],
-                staging: Sequence[torch.Tensor]) -> None:
-    """Phase 3 of one layer, on the current stream: write every changed slot from its staging
-    row or from an unchanged local slot holding the same expert (one `copy_` per run of
-    consecutive slots); unchanged slots are never written, storage and `data_ptr` stay."""
-    weights = check_weights(plan, weights)
-    st = plan.write_from_stage  # [W]
-    if st.any():  # staging is only read when some slot comes from it
-        staging = list(staging)
-        check_staging(staging, weights, plan.num_staged)
-    copy_runs(weights, plan.write_dst[st], staging, plan.write_src[st])
-    copy_runs(weights, plan.write_dst[~st], weights, plan.write_src[~st])

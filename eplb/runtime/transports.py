@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from eplb.core.transfer_plan import LayerTransferPlan
-from eplb.runtime.transport_base import TransportBase, copy_runs
+from eplb.runtime.staging import copy_runs
+from eplb.runtime.transport_base import TransportBase
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
