@@ -68,13 +68,13 @@ MUTATIONS = [
         ("tests/test_faults.py::test_stall_no_group_timeout_sees_is_aborted_by_the_watchdog",),
         "no-progress watchdog off: a stall no group timeout sees is not aborted"),
     Mutation(
-        "switch_copies_first_map_only", ("eplb.runtime.placement_change",),
-        "            for dst, src in zip(self.maps, self._new_maps):\n",
-        "            for dst, src in zip(self.maps[:1], self._new_maps[:1]):\n",
+        "switch_copies_first_map_only", ("eplb.runtime.layer_switch",),
+        "    for dst, src in zip(maps, new_maps):\n",
+        "    for dst, src in zip(maps[:1], new_maps[:1]):\n",
         ("tests/test_transfer_fuzz.py::test_fuzz_transitions_4_ranks",),
         "a switch copies physical_to_logical but not logical_to_physical_map (and the rest)"),
     Mutation(
-        "copy_runs_off_by_one", ("eplb.runtime.transports",),
+        "copy_runs_off_by_one", ("eplb.runtime.staging",),
         "            d[d0:d0 + n].copy_(t[s0:s0 + n])\n",
         "            d[d0:d0 + n - 1].copy_(t[s0:s0 + n - 1])\n",
         ("tests/test_transfer_fuzz.py::test_fuzz_transitions_4_ranks",),
@@ -92,9 +92,9 @@ MUTATIONS = [
         ("tests/test_transfer_plan.py",),
         "the transfer plan names the next rank, not the chosen holder, as sender"),
     Mutation(
-        "verification_never_fails", ("eplb.runtime.placement_change", "eplb.runtime.verify"),
-        "        bad_rows = np.flatnonzero(got != want)\n",
-        "        bad_rows = np.flatnonzero(got != got)\n",
+        "verification_never_fails", ("eplb.runtime.verify",),
+        "    bad_rows = np.flatnonzero(got != want)\n",
+        "    bad_rows = np.flatnonzero(got != got)\n",
         ("tests/test_transfer_fuzz.py", "-k", "caught_before"),
         "staged checksums are compared with themselves: corruption goes through"),
     Mutation(
@@ -110,9 +110,9 @@ MUTATIONS = [
         ("tests/test_recorder.py",),
         "every second step overwrites the previous one's window entry"),
     Mutation(
-        "failed_change_forgets_switched_layers", ("eplb.runtime.runtime",),
-        "            mixed[done] = change.new.physical_to_logical[done]\n",
-        "            pass\n",
+        "failed_change_forgets_switched_layers", ("eplb.core.placement",),
+        "        p2l[layers] = other.physical_to_logical[layers]\n",
+        "        pass\n",
         ("tests/test_runtime.py::test_failure_mid_transfer_leaves_every_layer_old_or_new",),
         "after an abort the placement forgets the layers that did switch"),
     Mutation(

@@ -55,13 +55,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eplb.core.transfer_plan import plan_layer_transfer  # noqa: E402
 from eplb.runtime.ipc import IpcTransport  # noqa: E402
-from eplb.runtime.transfer import exchange_layer, execute_layer_transfer, write_layer  # noqa: E402
+from eplb.runtime.transfer import exchange_layer, execute_layer_transfer  # noqa: E402
+from eplb.runtime.staging import allocate_staging, write_layer  # noqa: E402
 from eplb.runtime.transport_choice import make_transport  # noqa: E402
 from eplb.runtime.transports import (  # noqa: E402
     DEFAULT_CHUNK_BYTES,
     DEFAULT_HOLD_CHUNK_BYTES,
     P2PTransport,
-    allocate_staging,
 )
 
 INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

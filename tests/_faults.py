@@ -26,6 +26,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from eplb.runtime.transport_base import Transport, TransportBase
+
 ACTIONS = ("raise", "corrupt", "corrupt_w2", "stall", "kill", "freeze", "sleep_then_kill")
 
 
@@ -80,18 +82,16 @@ def flip_bits(staging: Sequence[torch.Tensor], row: int, tensors: Sequence[int],
     return done
 
 
-class FaultyTransport:
+class FaultyTransport(TransportBase):
     """A transport that delegates to `real` and injects `faults` (see `Fault`).
 
-    `exchange(plan, weights, group, staging) -> bytes` and `settle(plan, group)` keep the
-    transport interface; `write(plan, weights, staging)` is what the mover calls to write
-    a layer from staging when its transport has one (it delegates to the real transport's
-    `write` when it has one, else to `eplb.runtime.transfer.write_layer`). Attributes the
-    mover looks up (`name`, `exchange_launches_no_kernels`, ...) come from `real`.
-    `calls`: per method, the calls so far on this rank; `stall_event`: what a stall waits
-    on (set it to release a stall early)."""
+    Every member of `Transport` is spelled out: `exchange` and `write` (the mover's write
+    of a layer from staging) inject faults and then call the real transport's; `settle`,
+    `can_move`, `move`, `close`, `name`, `exchange_launches_no_kernels` and `hold` are the
+    real transport's. `calls`: per method, the calls so far on this rank; `stall_event`:
+    what a stall waits on (set it to release a stall early)."""
 
-    def __init__(self, real, rank: int, faults: Sequence[Fault] = ()) -> None:
+    def __init__(self, real: Transport, rank: int, faults: Sequence[Fault] = ()) -> None:
         self.real = real
         self.rank = rank
         self.faults = list(faults)
@@ -99,10 +99,17 @@ class FaultyTransport:
         self.stall_event = threading.Event()
         self.stalls: list[float] = []  # seconds each stall actually blocked
 
-    def __getattr__(self, name):  # only for attributes not defined here
-        if name in ("real", "faults"):
-            raise AttributeError(name)
-        return getattr(self.real, name)
+    @property
+    def name(self) -> str:
+        return self.real.name
+
+    @property
+    def exchange_launches_no_kernels(self) -> bool:
+        return self.real.exchange_launches_no_kernels
+
+    @property
+    def hold(self):
+        return self.real.hold
 
     def __repr__(self) -> str:
         return f"FaultyTransport({self.real!r}, faults={len(self.faults)})"
@@ -154,13 +161,16 @@ class FaultyTransport:
     def write(self, plan, weights, staging) -> None:
         for f in self._due("write"):
             self._before(f)
-        real_write = getattr(self.real, "write", None)
-        if real_write is not None:
-            real_write(plan, weights, staging)
-        else:
-            from eplb.runtime.transfer import write_layer
+        self.real.write(plan, weights, staging)
 
-            write_layer(plan, weights, staging)
+    def can_move(self, weights) -> bool:
+        return self.real.can_move(weights)
+
+    def move(self, plan, weights, group) -> int:
+        return self.real.move(plan, weights, group)
+
+    def close(self) -> None:
+        self.real.close()
 
 
 def p2p_transport(faults: Sequence[Fault] = (), rank: int = 0) -> FaultyTransport:

@@ -22,7 +22,8 @@ from eplb import EplbFatalError, RebalanceError
 from eplb.core.config import EplbConfig
 from eplb.core.placement import Placement
 from eplb.core.planning import plan
-from eplb.runtime.resize import ResizeVerificationError, plan_resize
+from eplb.runtime.resize import plan_resize
+from eplb.runtime.resize_transfer import ResizeVerificationError
 
 
 def _args(**kw):
@@ -181,7 +182,7 @@ def test_plan_rejects_bad_requests():
 def _execute_body(rank, world):
     """The transfer alone (no runtime), on the test backend (gloo, or NCCL with 2 GPUs):
     one rank holding everything spreads to two, then the two shrink onto rank 1."""
-    from eplb.runtime.resize import execute_resize
+    from eplb.runtime.resize_transfer import execute_resize
 
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     dist.all_reduce(torch.zeros(1, device=device))  # NCCL wants a collective before p2p

@@ -15,7 +15,7 @@ from eplb.core.placement import Placement
 from eplb.runtime.executor import TransferExecutor
 from eplb.core.transfer_plan import plan_layer_transfer, transfer_stats
 from eplb.runtime.transfer import execute_layer_transfer
-from eplb.runtime.transports import allocate_staging
+from eplb.runtime.staging import allocate_staging
 
 SHAPE1 = (3, 4)  # w1: contiguous float32 [S, 3, 4]
 BIG2 = (5, 6)  # w2: int32 view [S, 3, 3] = big[:, 1:4, ::2] of big [S, 5, 6]
@@ -204,8 +204,9 @@ CHUNKS = (3, 20, 36, 48, 100, 1 << 30)  # < one element, < one expert, = w2's, =
 def _run_chunked(rank: int, world_size: int, seed: int, N: int, P: int) -> None:
     """Every chunk size, random transitions: exchange_layer leaves weights untouched and
     fills staging bitwise; write_layer then gives every slot its new expert."""
-    from eplb.runtime.transfer import exchange_layer, write_layer
-    from eplb.runtime.transports import P2PTransport, staging_rows
+    from eplb.runtime.transfer import exchange_layer
+    from eplb.runtime.staging import staging_rows, write_layer
+    from eplb.runtime.transports import P2PTransport
 
     device = device_for(rank)
     S = P // world_size
@@ -243,7 +244,8 @@ def _run_chunked(rank: int, world_size: int, seed: int, N: int, P: int) -> None:
 def _run_swap_direct(rank: int, world_size: int) -> None:
     """Whole-layer swap with contiguous weights: one message per tensor and direction,
     sent straight from the weights (no pack buffer); chunked, several per tensor."""
-    from eplb.runtime.transfer import exchange_layer, write_layer
+    from eplb.runtime.transfer import exchange_layer
+    from eplb.runtime.staging import write_layer
     from eplb.runtime.transports import P2PTransport
 
     device = device_for(rank)
@@ -266,7 +268,8 @@ def _run_swap_direct(rank: int, world_size: int) -> None:
 def _run_pack_in_spare_rows(rank: int, world_size: int) -> None:
     """Scattered sends are packed; with staging for S rows and few rows used, the pack
     buffers live in the unused rows (nothing allocated), else they are allocated."""
-    from eplb.runtime.transfer import exchange_layer, write_layer
+    from eplb.runtime.transfer import exchange_layer
+    from eplb.runtime.staging import write_layer
     from eplb.runtime.transports import P2PTransport
 
     device = device_for(rank)
@@ -404,7 +407,8 @@ def test_copy_flat_range_matches_flatten():
 
 
 def test_execution_input_errors():
-    from eplb.runtime.transfer import exchange_layer, write_layer
+    from eplb.runtime.transfer import exchange_layer
+    from eplb.runtime.staging import write_layer
     from eplb.runtime.transport_choice import make_transport
     from eplb.runtime.transports import P2PTransport
 

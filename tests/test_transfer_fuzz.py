@@ -201,7 +201,7 @@ def _fuzz_runs(rank: int, world: int, runs: list, N: int, S: int, times: list | 
             verify_transfers=verify, weighted_replicas=weighted, transfer_timeout=60),
             transport=injected)
         assert runtime.transport.name == "nccl"  # gloo point-to-point ("auto" falls back)
-        assert runtime.replica_weights_supported
+        assert runtime.routing.supported
         failures = []
         runtime.add_failure_listener(lambda trigger, e: failures.append(e))
         ptrs = [w.data_ptr() for ws in runtime.expert_weights for w in ws]

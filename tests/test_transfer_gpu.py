@@ -25,9 +25,10 @@ from test_transfer_dist import (
 from eplb.runtime.executor import TransferExecutor
 from eplb.core.transfer_plan import plan_layer_transfer
 from eplb.runtime.ipc import IpcTransport
-from eplb.runtime.transfer import exchange_layer, execute_layer_transfer, write_layer
+from eplb.runtime.transfer import exchange_layer, execute_layer_transfer
+from eplb.runtime.staging import allocate_staging, staging_rows, write_layer
 from eplb.runtime.transport_choice import AUTO_PREFERS_IPC, make_transport
-from eplb.runtime.transports import P2PTransport, allocate_staging, staging_rows
+from eplb.runtime.transports import P2PTransport
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2,
                                 reason="needs 2 CUDA devices (runs in full on the GPU machine)")

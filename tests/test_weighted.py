@@ -141,7 +141,7 @@ def test_even_runtime_routes_like_the_model_alone():
     args = _args()
     alone, managed = MoEModel(args, device=device), MoEModel(args, device=device)
     runtime = EplbRuntime(managed, EplbConfig(num_redundant_experts=4, rebalance_interval=0))
-    # an even placement is routed without the cdf (_route_by_shares); register it anyway:
+    # an even placement is routed without the cdf (ShareRouting.update); register it anyway:
     # the cdf path must pick bitwise the even path's replicas
     managed.set_eplb_replica_weights(runtime.logical_replica_cdf)
     assert managed.moe_layers[0].logical_replica_cdf is not None
@@ -306,7 +306,7 @@ def test_model_without_extension_warns_once_and_splits_evenly(caplog):
     L, N, P = args.num_layers, args.num_experts, args.num_physical_experts
     model = _EvenSplitModel(MoEModel(args, device=device))
     runtime = EplbRuntime(model, EplbConfig(num_redundant_experts=4, rebalance_interval=0))
-    assert not runtime.replica_weights_supported
+    assert not runtime.routing.supported
     assert model.moe_layers[0].logical_replica_cdf is None
     placement = _uneven(_hot_p2l(L, N, P, seed=3), N)
     even = placement.with_physical_to_logical(placement.physical_to_logical, "test")

@@ -18,7 +18,7 @@ TRANSPORTS = ("nccl", "ipc", "auto")
 
 LAUNCH_MODES = ("auto", "thread", "step")
 """Values of `EplbConfig.exchange_launch` (where an asynchronous change launches each
-layer's exchange; eplb.runtime.placement_change.MoveOptions)."""
+layer's exchange; eplb.runtime.move_options.MoveOptions)."""
 
 log = logging.getLogger("eplb.core.config")
 

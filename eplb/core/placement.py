@@ -210,6 +210,17 @@ class Placement:
                                  shares: np.ndarray | None = None) -> "Placement":
         return Placement(p2l, self.num_logical_experts, self.num_gpus, self.num_nodes, policy, shares)
 
+    def with_layers_of(self, other: "Placement", layers: list[int]) -> "Placement":
+        """This placement with `layers` taken from `other` (experts and shares): what a
+        placement change that stopped after switching those layers leaves in force."""
+        p2l = self.physical_to_logical.copy()  # [L, P]
+        p2l[layers] = other.physical_to_logical[layers]
+        shares = None
+        if self.shares is not None or other.shares is not None:
+            shares = self.slot_shares().copy()  # [L, P]
+            shares[layers] = other.slot_shares()[layers]
+        return self.with_physical_to_logical(p2l, self.policy, shares)
+
     # ---- I/O ---------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {

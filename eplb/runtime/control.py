@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -117,6 +118,24 @@ def agree_min(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
     return _all_reduce_ints(values, dist.ReduceOp.MIN, group)
 
 
+def agree_requested(requests: RebalanceRequests, forwards: int, group: dist.ProcessGroup | None,
+                    world_size: int, step: int) -> bool:
+    """Whether any rank of the group holds a request (a one-rank group asks no one). The
+    same all-reduce compares the ranks' forward counts (`forwards`, from the model's
+    `ForwardCounter`): raises RuntimeError on every rank when they differ."""
+    pending = requests.has_pending()
+    if world_size == 1:
+        return pending
+    pending, high, low = agree_max([int(pending), forwards, -forwards], group)
+    if high != -low:
+        raise RuntimeError(
+            f"EP ranks ran different numbers of forwards by step {step}: this rank "
+            f"{forwards}, the ranks between {-low} and {high}; every rank of the EP group "
+            "must run the same number of forwards (the same number of generate() steps, "
+            "the same batches) and call runtime.step() after each")
+    return bool(pending)
+
+
 class PendingMin:
     """An element-wise MIN all-reduce of `values` started now (`async_op`: gloo runs it in
     its own thread); `result()` waits for it. Lets the step loop start an agreement at one
@@ -133,3 +152,34 @@ class PendingMin:
         if self.work is not None:
             self.work.wait()
         return self.tensor.tolist()
+
+
+class StepAgreement:
+    """A placement change's agreement at each step boundary: the element-wise MIN of every
+    rank's values on the control group. Synchronous: all-reduced right away. Pipelined
+    (asynchronous changes): the all-reduce started at one boundary (`PendingMin`) is read
+    at the next, so the step loop never waits for a round trip, and every rank acts on
+    the same values one step later; the first boundary only starts one. A one-rank group
+    asks no one. A failing group raises (the caller's verdict: fatal)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, num_ranks: int) -> None:
+        self.group, self.num_ranks = group, num_ranks
+        self.pipelined = False
+        self._pending: PendingMin | None = None
+
+    def agree(self, values: Callable[[], list[int]]) -> list[int] | None:
+        """The agreed values; None at the first pipelined boundary (started only)."""
+        if self.num_ranks == 1:  # group None would be the world
+            return values()
+        if not self.pipelined:
+            return agree_min(values(), self.group)
+        if self._pending is None:
+            self._pending = PendingMin(values(), self.group)
+            return None
+        agreed, self._pending = self._pending.result(), None
+        return agreed
+
+    def start_next(self, values: list[int]) -> None:
+        """Pipelined: start the agreement the next boundary reads (every rank alike)."""
+        if self.pipelined and self.num_ranks > 1:
+            self._pending = PendingMin(values, self.group)

@@ -1,16 +1,65 @@
-"""RebalanceEvent: what one rebalance did, the record every report is made from (logs,
-metrics, the HTTP status of a request, `EplbRuntime.events`)."""
+"""What one rebalance did: `ChangeStats`, the timers and counts a placement change fills
+as it runs, and `RebalanceEvent`, the record every report is made from (logs, metrics,
+the HTTP status of a request, `EplbRuntime.events`), built from them in one place
+(`RebalanceEvent.of_change`); or why it stopped: `RebalanceError`, `EplbFatalError`."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from eplb.core.placement import Placement
+from eplb.core.transfer_plan import TransferStats
 
-__all__ = ["NO_LOAD", "RebalanceEvent"]
+__all__ = ["NO_LOAD", "ChangeStats", "EplbFatalError", "RebalanceError", "RebalanceEvent"]
 
 NO_LOAD = "no load recorded (the window is all zero: the model added nothing into expert_load_view)"
+
+
+class RebalanceError(RuntimeError):
+    """A rebalance stopped part-way on every rank at the same layer; every layer is on its
+    old or its new placement with maps matching weights, and serving can continue."""
+
+
+class EplbFatalError(RebalanceError):
+    """A peer died or stopped answering during a rebalance (or a local write failed): the
+    process group can no longer be trusted. Layers are still wholly old or new on this
+    rank, but the job should exit and restart."""
+
+
+@dataclass
+class ChangeStats:
+    """The timers and counts of one placement change (`PlacementChange.stats`), on this
+    rank. Times are `time.perf_counter()` seconds."""
+
+    t_start: float = field(default_factory=time.perf_counter)  # the change was made
+    t_end: float | None = None  # it finished or was aborted
+    seconds_plan: float = 0.0  # plan_fn and the new maps, inside the change
+    seconds_switch: float = 0.0  # switching layers (writes + maps) on the caller's thread
+    steps: int = 0  # advance() calls: the step boundaries the change took
+    # the step loop's share (asynchronous mode): host time inside advance() in total, its
+    # longest single call, and the part spent waiting for the agreement
+    seconds_step_loop: float = 0.0
+    max_step_loop: float = 0.0
+    seconds_agree_wait: float = 0.0
+    # what this rank moved (TransferExecutor's result): experts received over the network,
+    # slots filled from a local expert, slots written, bytes in and out
+    received: int = 0
+    local_copies: int = 0
+    written: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
+
+    def charge_step_loop(self, seconds: float) -> None:
+        """Count `seconds` of the step loop's time against the change."""
+        self.seconds_step_loop += seconds
+        self.max_step_loop = max(self.max_step_loop, seconds)
+
+    @property
+    def seconds_transfer(self) -> float:
+        """From the change's start to its end, planning excluded (0 while unfinished)."""
+        return 0.0 if self.t_end is None else max(0.0, self.t_end - self.t_start - self.seconds_plan)
 
 
 @dataclass
@@ -42,6 +91,27 @@ class RebalanceEvent:
     skipped: bool = False
     min_gain: float = 0.0
     skip_reason: str = ""  # set when skipped for another reason than the gain (NO_LOAD)
+
+    @classmethod
+    def of_change(cls, stats: ChangeStats, moved: TransferStats, *, step: int, trigger: str,
+                  before: np.ndarray, after: np.ndarray, placement: Placement,
+                  bytes_per_expert: int, seconds_plan: float, asynchronous: bool,
+                  predicted_gain: float, skipped: bool, min_gain: float,
+                  skip_reason: str = "") -> "RebalanceEvent":
+        """The event of a finished change: its timers from `stats` (this rank's), what
+        moved from `moved` (all ranks, `transfer_stats` of the two placements), the
+        figures of the plan (`before`, `after` [L], gain, skip) from the caller."""
+        return cls(
+            step=step, trigger=trigger, balancedness_before=before, balancedness_after=after,
+            experts_moved=moved.experts_moved, local_copies=moved.local_copies,
+            slots_changed=moved.slots_changed, bytes_moved=moved.experts_moved * bytes_per_expert,
+            seconds_plan=seconds_plan, seconds_transfer=stats.seconds_transfer,
+            seconds_commit=stats.seconds_switch, placement=placement,
+            # step boundaries only an asynchronous change spans (run() drives it on one)
+            steps_in_flight=stats.steps if asynchronous else 0,
+            seconds_step_loop=stats.seconds_step_loop, max_step_loop_seconds=stats.max_step_loop,
+            seconds_agree_wait=stats.seconds_agree_wait, predicted_gain=predicted_gain,
+            skipped=skipped, min_gain=min_gain, skip_reason=skip_reason)
 
     @property
     def seconds(self) -> float:

@@ -16,8 +16,10 @@ from eplb.core.config import TRANSPORTS
 from eplb.core.placement import Placement
 from eplb.core.transfer_plan import as_p2l
 from eplb.runtime.groups import EplbGroups
-from eplb.runtime.placement_change import (MoveOptions, PlacementChange, RebalanceError,
-                                           StagingCache)
+from eplb.runtime.events import RebalanceError
+from eplb.runtime.move_options import MoveOptions
+from eplb.runtime.placement_change import PlacementChange
+from eplb.runtime.staging import StagingCache
 from eplb.runtime.transport_choice import make_transport
 from eplb.runtime.transports import DEFAULT_CHUNK_BYTES, P2PTransport, weights_key
 from eplb.runtime.verify import TransferVerificationError
@@ -160,11 +162,11 @@ class TransferExecutor:
         report_up_to(L - 1)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        c = change.counts
+        c = change.stats
         return TransferResult(
-            experts_received=c["received"], local_copies=c["local_copies"],
-            slots_written=c["written"], bytes_received=c["bytes_received"],
-            seconds=time.perf_counter() - t0, bytes_sent=c["bytes_sent"],
+            experts_received=c.received, local_copies=c.local_copies,
+            slots_written=c.written, bytes_received=c.bytes_received,
+            seconds=time.perf_counter() - t0, bytes_sent=c.bytes_sent,
             layers_changed=len(changed))
 
 

@@ -17,14 +17,15 @@ import numpy as np
 import torch
 
 from eplb.core.transfer_plan import LayerTransferPlan, hold_rows, in_place_ops
-from eplb.runtime.transports import (DEFAULT_HOLD_CHUNK_BYTES, allocate_staging, copy_runs,
-                                     device_uuid, global_rank, peer_blocks, send_lists,
-                                     stage_local, weights_key)
+from eplb.runtime.staging import allocate_staging, copy_runs
+from eplb.runtime.transport_base import TransportBase
+from eplb.runtime.transports import (DEFAULT_HOLD_CHUNK_BYTES, device_uuid, global_rank,
+                                     peer_blocks, send_lists, stage_local, weights_key)
 
 __all__ = ["IpcTransport"]
 
 
-class IpcTransport:
+class IpcTransport(TransportBase):
     """CUDA IPC (same host): every rank maps the expert tensors of every peer once
     (`reduce_tensor` handles, one `all_gather_object`; mapped on the rank's own GPU, see
     `_open`), and a receiver copies the experts it needs straight from the peer's old slots

@@ -1,42 +1,30 @@
 """PlacementChange: the one layer mover. Every move of expert weights between placements
 of the same size goes through it: the runtime's rebalances (synchronous and in the
-background), `apply_placement`, the move a resize makes to its planned placement, and the
-standalone `TransferExecutor` of tools and benchmarks (eplb.runtime.transfer).
-
-Every changed layer goes through three stages:
+background), `apply_placement`, a resize's move to its planned placement, and the
+standalone `TransferExecutor` of tools and benchmarks. Every changed layer goes through:
 
 1. **exchange** (`transfer.exchange_layer`): stage local sources and receive remote
-   experts into a staging buffer. It only *reads* the expert weights, so it can run while
-   the model serves: in a background thread, on a side CUDA stream, over its own process
-   group. With `verify`, the staged experts are checked against their pre-transfer
-   checksums here, before anything is written;
-2. **agree**: at a step boundary all ranks all-reduce (on a CPU/gloo group) how many
-   layers they have staged and whether anything failed;
-3. **switch**: when every rank has the layer staged, each rank writes its changed slots
-   from staging (`transfer.write_layer`) and copies the layer's rows of the new maps, on
-   the caller's stream. Weights and maps of a layer therefore switch together, at the same
-   step on every rank, and every forward sees each layer wholly old or wholly new.
+   experts into a staging buffer, only *reading* the weights (so it can run while the
+   model serves: in a background thread, on a side CUDA stream, over its own group);
+   with `verify`, the staged experts are checked against their pre-transfer checksums;
+2. **agree** (`control.StepAgreement`): at a step boundary all ranks all-reduce (gloo)
+   how many layers they have staged and whether anything failed;
+3. **switch** (`layer_switch.switch_layer`): when every rank has the layer staged, each
+   writes its changed slots and the layer's rows of the new maps, on the caller's
+   stream: weights and maps switch together, at the same step on every rank.
 
-Synchronous use: `run()` drives the three stages to the end before returning. Over an
-IPC transport with a hold buffer (and without `verify`), stages 1 and 3 of a layer are one
-in-place pass at the switch (`IpcTransport.move`: nothing staged, each byte written once);
-a failure inside it leaves the layer partly written, so it is fatal like a failed write.
-Asynchronous use: `start()` runs planning and exchanges in a thread; the step loop calls
-`advance()` once per step (agree, then switch at most one layer).
-With `launch_in_step` (the NCCL transport on GPUs) the thread only prepares each layer
-(plan, staging, checksums) and `advance()` launches its exchange on the side stream once
-every rank has prepared it (one more value in the agreement), so the transfer's NCCL
-kernels are launched at the same step, after the same forward, on every rank.
+`run()` drives the stages to the end (synchronous; over IPC without `verify` stages 1 and
+3 are one in-place pass, `IpcTransport.move`). `start()` runs planning and exchanges in a
+thread and the step loop calls `advance()` once per step (agree, switch at most one
+layer); with `launch_in_step` (NCCL on GPUs) the thread only prepares each layer and
+`advance()` launches its exchange at the same step on every rank.
 
-Failures. A failure that every rank learns through the agreement (planning error, a
-transfer error or verification failure on any rank, no progress for `timeout` seconds)
-aborts the change on all ranks at the same layer: `RebalanceError`, and layers before it
-are new, later ones old, maps matching weights everywhere; serving continues. When the
-agreement itself fails (a peer died or stopped answering; the gloo group times out after
-`timeout`), the group is no longer usable: `EplbFatalError`.
-
-About 500 lines: the stages, the agreement and the switch share the change's state
-under one lock, and splitting them would scatter the one protocol every move follows.
+Failures every rank learns through the agreement (planning error, transfer or
+verification failure anywhere, no progress for `timeout` s) abort the change on all ranks
+at the same layer: `RebalanceError`, earlier layers new, later ones old, maps matching
+weights; serving continues. When the agreement itself fails (a peer died or froze),
+`EplbFatalError`. Around it: `MoveOptions` in `move_options`, `ChangeStats` and the errors
+in `events`, the staging buffer in `staging`, the checks of `verify` in `verify`.
 """
 from __future__ import annotations
 
@@ -44,91 +32,25 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from eplb.core.config import LAUNCH_MODES
 from eplb.core.placement import Placement
 from eplb.core.transfer_plan import LayerTransferPlan, plan_layer_transfer
 from eplb.runtime import transfer as _transfer
-from eplb.runtime.control import PendingMin, agree_min
+from eplb.runtime.control import StepAgreement
+from eplb.runtime.events import ChangeStats, EplbFatalError, RebalanceError
 from eplb.runtime.groups import EplbGroups
-from eplb.runtime.transports import allocate_staging
-from eplb.runtime.verify import TransferVerificationError, expected_checksums, slot_checksums
+from eplb.runtime.layer_switch import launch_exchange, switch_layer
+from eplb.runtime.move_options import MoveOptions
+from eplb.runtime.staging import StagingCache
+from eplb.runtime.transport_base import Transport
+from eplb.runtime.transport_choice import resolve_transport
+from eplb.runtime.verify import check_staged, gather_checksums
 
 log = logging.getLogger("eplb.runtime.placement_change")
-
-
-
-
-class RebalanceError(RuntimeError):
-    """A rebalance stopped part-way on every rank at the same layer; every layer is on its
-    old or its new placement with maps matching weights, and serving can continue."""
-
-
-class EplbFatalError(RebalanceError):
-    """A peer died or stopped answering during a rebalance (or a local write failed): the
-    process group can no longer be trusted. Layers are still wholly old or new on this
-    rank, but the job should exit and restart."""
-
-
-@dataclass(frozen=True)
-class MoveOptions:
-    """How a change moves layers. `verify`: check every staged expert against its
-    pre-transfer checksum before anything is written. `timeout`: seconds without any layer
-    switching after which this rank counts the change as failed (the agreement then aborts
-    it everywhere). `launch`: where an asynchronous change launches each layer's exchange:
-    "thread" (the background thread), "step" (the step loop, in `advance()`, at the same
-    step on every rank: its NCCL kernels then enter every GPU in the same order relative to
-    the model's collectives, which two threads cannot promise, see NVIDIA/nccl#1766) or
-    "auto" ("step" on CUDA with more than one rank and a transport that launches NCCL
-    kernels, i.e. not one with `exchange_launches_no_kernels`; else "thread").
-    `num_nodes`: for the same-node sender preference of the transfer plan."""
-
-    verify: bool = False
-    timeout: float = 300.0
-    launch: str = "auto"
-    num_nodes: int = 1
-
-    def __post_init__(self) -> None:
-        if self.launch not in LAUNCH_MODES:
-            raise ValueError(f"launch must be one of {LAUNCH_MODES}, got {self.launch!r}")
-
-
-class StagingCache:
-    """The one staging buffer of a mover's owner: one layer of local experts, reused
-    across layers (and across changes with `keep`); the IPC transport's hold buffer when
-    it fits the weights (allocated once by the transport, so a change adds no memory)."""
-
-    def __init__(self, keep: bool = False) -> None:
-        self.keep = keep
-        self._buf: list[torch.Tensor] | None = None
-
-    def get(self, transport, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        hold = getattr(transport, "hold", None)
-        if hold is not None and _fits(hold, weights):
-            return list(hold)
-        if self._buf is None or not _fits(self._buf, weights):
-            self._buf = allocate_staging(weights)
-        return self._buf
-
-    def done(self) -> None:
-        """A change finished: free the buffer unless it is kept."""
-        if not self.keep:
-            self._buf = None
-
-    def release(self) -> None:
-        self._buf = None
-
-
-def _fits(buf: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> bool:
-    return len(buf) == len(weights) and all(
-        b.shape == w.shape and b.dtype == w.dtype and b.device == w.device
-        for b, w in zip(buf, weights))
 
 
 class PlacementChange:
@@ -143,8 +65,9 @@ class PlacementChange:
     the layer switches.
     `groups`: `transfer` carries the weights (EP backend), `control` (gloo) the step
     loop's agreements, `plan` (gloo) the thread's small CPU collectives.
-    `transport`: a transport object (`make_transport`); one with a `write(plan, weights,
-    staging)` method writes the slots itself (else `transfer.write_layer`).
+    `transport`: a `Transport` (`make_transport`, or one deriving from `TransportBase`);
+    the mover calls its `exchange`, `write`, `can_move`/`move`, `hold` and
+    `exchange_launches_no_kernels`.
     `stream`: the side CUDA stream of the background thread (asynchronous mode; None
     creates one, which initialises torch's stream pool the first time).
     `staging`: the owner's StagingCache (default: a new one, freed when the change ends).
@@ -166,7 +89,7 @@ class PlacementChange:
         self.options = options
         self.device = device if device is not None else torch.device("cpu")
         self.cuda = self.device.type == "cuda"
-        self.transport = transport
+        self.transport: Transport = resolve_transport(transport)
         self.stream = stream  # the background thread's CUDA stream (None: a new one)
         self.staging_cache = staging if staging is not None else StagingCache()
         self.on_switch = on_switch
@@ -187,29 +110,15 @@ class PlacementChange:
         self.committed = 0  # layers switched so far
         self.error: BaseException | None = None  # this rank's failure, if any
         self.aborted = False
-        self.steps = 0  # advance() calls (step boundaries) the change took
-        self.seconds_plan = 0.0
-        self.seconds_switch = 0.0  # time spent switching layers on the caller's thread
-        # the step loop's share (asynchronous mode): host time inside advance(), its
-        # longest single call, and the part spent waiting for the agreement
-        self.seconds_step_loop = 0.0
-        self.max_step_loop = 0.0
-        self.seconds_agree_wait = 0.0
-        self.t_start = time.perf_counter()
-        self.t_end: float | None = None
+        self.stats = ChangeStats()  # timers and counts, what the RebalanceEvent reports
 
         self._cv = threading.Condition()
-        self.pipelined = False  # asynchronous mode reads each agreement one step later
-        self._pending: PendingMin | None = None
+        self._agreement = StepAgreement(groups.control, self.num_ranks)
         self._stop = False
         self._thread: threading.Thread | None = None
         self._last_progress = time.monotonic()
         self._plans: list[LayerTransferPlan | None] = []
         self._staging: list[torch.Tensor] | None = None
-        # what this rank did, for TransferExecutor's result: experts received over the
-        # network, slots filled from a local expert, slots written, bytes in and out
-        self.counts = {"received": 0, "local_copies": 0, "written": 0, "bytes_received": 0,
-                       "bytes_sent": 0}
         self._new_maps: list[torch.Tensor] = []
         self._ready_events: list = []
         self._write_events: list = []
@@ -222,6 +131,11 @@ class PlacementChange:
         same verdict on every rank, at the same step: a change with no changed layer must
         not finish on one rank's own planning while another rank still plans)."""
         return self._all_planned and self.layers is not None and self.committed == len(self.layers)
+
+    @property
+    def pipelined(self) -> bool:
+        """Asynchronous mode: each agreement is read one step later."""
+        return self._agreement.pipelined
 
     @property
     def switched_layers(self) -> list[int]:
@@ -250,11 +164,8 @@ class PlacementChange:
         """Asynchronous: plan and exchange in a daemon thread; call `advance()` every step.
         With `launch_in_step`, the thread prepares each layer and `advance()` launches its
         exchange."""
-        self.pipelined = True
-        launch = self.options.launch
-        self.launch_in_step = launch == "step" or (
-            launch == "auto" and self.cuda and self.num_ranks > 1
-            and not getattr(self.transport, "exchange_launches_no_kernels", False))
+        self._agreement.pipelined = True
+        self.launch_in_step = self.options.launches_in_step(self.cuda, self.num_ranks, self.transport)
         if self.cuda and self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
         self._thread = threading.Thread(target=self._background, name="eplb-rebalance", daemon=True)
@@ -286,27 +197,16 @@ class PlacementChange:
         try:
             return self._advance()
         finally:
-            self.charge_step_loop(time.perf_counter() - t0)
-
-    def charge_step_loop(self, seconds: float) -> None:
-        """Count `seconds` of the step loop's time against this change."""
-        self.seconds_step_loop += seconds
-        self.max_step_loop = max(self.max_step_loop, seconds)
+            self.stats.charge_step_loop(time.perf_counter() - t0)
 
     def _advance(self) -> bool:
-        self.steps += 1
+        self.stats.steps += 1
         t_agree = time.perf_counter()
         try:
-            if self.num_ranks == 1:  # a one-rank group asks no one (group None = the world)
-                agreed = self._local_state()
-            elif not self.pipelined:
-                agreed = agree_min(self._local_state(), self.groups.control)
-            elif self._pending is None:  # the first boundary only starts an agreement
-                self._pending = PendingMin(self._local_state(), self.groups.control)
+            agreed = self._agreement.agree(self._local_state)
+            if agreed is None:  # the first pipelined boundary only starts an agreement
                 return False
-            else:
-                agreed, self._pending = self._pending.result(), None
-            self.seconds_agree_wait += time.perf_counter() - t_agree
+            self.stats.seconds_agree_wait += time.perf_counter() - t_agree
         except Exception as e:  # noqa: BLE001
             self._stop_thread()
             raise EplbFatalError(
@@ -318,7 +218,7 @@ class PlacementChange:
         if not all_ok:
             self._stop_thread()
             self.aborted = True
-            self.t_end = time.perf_counter()
+            self.stats.t_end = time.perf_counter()
             why = (f"{type(self.error).__name__}: {self.error}" if self.error is not None
                    else f"rank {failed_rank} failed, see its log")
             raise RebalanceError(why) from self.error
@@ -327,11 +227,11 @@ class PlacementChange:
         if self.launch_in_step and min_prepared > self.launched:  # every rank, same step
             self._launch_next()
         if self.finished:
-            if self.t_end is None:
-                self.t_end = time.perf_counter()
-        elif self.pipelined and self.num_ranks > 1:  # every rank takes this branch together
+            if self.stats.t_end is None:
+                self.stats.t_end = time.perf_counter()
+        elif self.pipelined:  # every rank takes this branch together
             try:
-                self._pending = PendingMin(self._local_state(), self.groups.control)
+                self._agreement.start_next(self._local_state())
             except Exception as e:  # noqa: BLE001
                 self._stop_thread()
                 raise EplbFatalError(f"rebalance lost contact with its peers ({e})") from e
@@ -389,7 +289,7 @@ class PlacementChange:
             maps_new = ()
             layers = [l for l in range(old_p2l.shape[0]) if not np.array_equal(old_p2l[l], new_p2l[l])]
         new_maps = [torch.from_numpy(a).to(self.device) for a in maps_new] if layers else []
-        self.seconds_plan = time.perf_counter() - t0
+        self.stats.seconds_plan = time.perf_counter() - t0
         with self._cv:
             self.new, self.layers, self._new_maps = new, layers, new_maps
             n = len(layers)
@@ -409,7 +309,7 @@ class PlacementChange:
             plan = plan_layer_transfer(old_p2l[layer], new_p2l[layer], self.num_ranks, self.rank,
                                        self.options.num_nodes)
             verify = self.options.verify
-            if not self.pipelined and not verify and _transfer.moves_in_place(self.transport, weights):
+            if not self.pipelined and not verify and self.transport.can_move(weights):
                 # synchronous, over IPC: the switch moves the layer in place in one pass
                 # (`IpcTransport.move`), nothing is staged ahead
                 with self._cv:
@@ -419,7 +319,8 @@ class PlacementChange:
                 continue
             if self._staging is None:
                 self._staging = self.staging_cache.get(self.transport, weights)
-            old_sums = self._gather_checksums(weights) if verify else None  # [P]
+            old_sums = (gather_checksums(weights, self.groups.plan, self.num_ranks)  # [P]
+                        if verify else None)
             if self.launch_in_step:  # advance() launches it on this thread's stream
                 with self._cv:
                     self._plans[i] = plan
@@ -432,7 +333,8 @@ class PlacementChange:
                 _transfer.exchange_layer(plan, weights, self.groups.transfer, self._staging,
                                          transport=self.transport)
             if old_sums is not None:
-                self._check_staging(layer, plan, old_sums)
+                check_staged(self._staging, plan, layer, self.rank,
+                             self.old.physical_to_logical[layer], old_sums)
             event = None
             if self.cuda:
                 event = torch.cuda.Event()
@@ -449,14 +351,10 @@ class PlacementChange:
         the transfer group's kernels enter each GPU in the same order relative to the
         model's collectives. A failure goes through the agreement like one in the thread."""
         i = self.launched
-        layer = self.layers[i]
-        # the thread's own stream: what the thread queues next (checksums, the event the
-        # switch waits for) comes after the exchange
-        ctx = torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
         try:
-            with ctx:
-                _transfer.exchange_layer(self._plans[i], self.weights[layer], self.groups.transfer,
-                                         self._staging, transport=self.transport)
+            launch_exchange(self._plans[i], self.weights[self.layers[i]], self._staging,
+                            transport=self.transport, group=self.groups.transfer,
+                            stream=self.stream if self.cuda else None)
         except Exception as e:  # noqa: BLE001 - reported through the agreement
             self._fail(e)
             return
@@ -465,42 +363,21 @@ class PlacementChange:
             self._cv.notify_all()
 
     def _switch_next(self) -> None:
-        """Write the next staged layer into the weights and switch its maps, on the
-        caller's stream. A failure here leaves this rank inconsistent: fatal."""
+        """Switch the next staged layer (`switch_layer`: weights, then maps) on the caller's
+        stream. A failure here leaves this rank inconsistent: fatal."""
         t0 = time.perf_counter()
         i = self.committed
         layer = self.layers[i]
-        plan = self._plans[i]
         try:
-            if self._in_place[i]:  # synchronous IPC: exchange and write in one pass
-                self.counts["bytes_received"] += _transfer.execute_layer_transfer(
-                    plan, self.weights[layer], self.groups.transfer, transport=self.transport)
-            else:
-                if self.cuda:
-                    stream = torch.cuda.current_stream(self.device)
-                    stream.wait_event(self._ready_events[i])
-                    # staging and the new maps come from the thread's stream: keep their
-                    # memory from being reused before this stream has read them
-                    for t in (*self._staging, *self._new_maps):
-                        t.record_stream(stream)
-                write = getattr(self.transport, "write", None) or _transfer.write_layer
-                write(plan, self.weights[layer], self._staging)
-                self.counts["bytes_received"] += plan.num_received * _bytes_per_slot(self.weights[layer])
-            for dst, src in zip(self.maps, self._new_maps):
-                dst[layer].copy_(src[layer])
-            if self.cuda:
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(self.device))
-                self._write_events[i] = event
+            self._write_events[i] = switch_layer(
+                self._plans[i], self.weights[layer], layer, staging=self._staging, maps=self.maps,
+                new_maps=self._new_maps, transport=self.transport, group=self.groups.transfer,
+                in_place=self._in_place[i], ready_event=self._ready_events[i],
+                device=self.device, stats=self.stats)
         except Exception as e:  # noqa: BLE001
             self._stop_thread()
             raise EplbFatalError(f"writing layer {layer} failed ({type(e).__name__}: {e}); its "
                                  "weights are partly rewritten: reload the model") from e
-        c = self.counts
-        c["received"] += plan.num_received
-        c["local_copies"] += plan.num_local_copies
-        c["written"] += plan.num_slots_written
-        c["bytes_sent"] += plan.num_sent * _bytes_per_slot(self.weights[layer])
         with self._cv:
             self.committed = i + 1
             self._plans[i] = None
@@ -509,39 +386,6 @@ class PlacementChange:
                 self.staging_cache.done()
             self._cv.notify_all()
         self._last_progress = time.monotonic()
-        self.seconds_switch += time.perf_counter() - t0
+        self.stats.seconds_switch += time.perf_counter() - t0
         if self.on_switch is not None:
             self.on_switch(layer)
-
-    # ---- verification (before anything is written) ---------------------------------
-    def _gather_checksums(self, weights: Sequence[torch.Tensor]) -> np.ndarray:
-        """`[P]` pre-transfer checksums of every slot of the layer, on every rank."""
-        mine = slot_checksums(weights).cpu()  # [S]
-        if self.num_ranks > 1:  # on the gloo plan group: no NCCL kernel from this thread
-            parts = [torch.empty_like(mine) for _ in range(self.num_ranks)]
-            dist.all_gather(parts, mine, group=self.groups.plan)
-            mine = torch.cat(parts)  # [P]
-        return mine.numpy()
-
-    def _check_staging(self, layer: int, plan: LayerTransferPlan, old_sums: np.ndarray) -> None:
-        """Every staged row must carry the checksum its expert had in its first old slot."""
-        K = plan.num_staged
-        if K == 0:
-            return
-        got = slot_checksums([b[:K] for b in self._staging]).cpu().numpy()  # [K]
-        want = expected_checksums(self.old.physical_to_logical[layer], old_sums,
-                                  plan.stage_expert)  # [K]
-        bad_rows = np.flatnonzero(got != want)
-        if bad_rows.size:
-            S = plan.slots_per_rank
-            from_bad = plan.write_from_stage & np.isin(plan.write_src, bad_rows)
-            bad_slots = (plan.write_dst[from_bad] + self.rank * S).tolist()
-            raise TransferVerificationError(
-                layer, bad_slots,
-                f"transfer verification failed on layer {layer}, rank {self.rank}: experts "
-                f"{plan.stage_expert[bad_rows].tolist()} arrived with the wrong checksum "
-                f"(nothing of the layer was written)")
-
-
-def _bytes_per_slot(weights: Sequence[torch.Tensor]) -> int:
-    return sum(w[0].nbytes for w in weights) if weights and weights[0].shape[0] else 0

@@ -8,8 +8,14 @@ weighting older steps less, `decay`) and does the one all-reduce a rebalance nee
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
+
+from eplb.runtime.control import agree
+
+log = logging.getLogger("eplb.runtime")
 
 
 class LoadRecorder:
@@ -55,6 +61,19 @@ class LoadRecorder:
     def any_load(self) -> bool:
         """Whether this rank's window holds any load (one host read: not for every step)."""
         return bool(self.logical_ring.any())
+
+    def warn_if_no_load(self, control_group, rank: int, steps: int) -> None:
+        """Warn (rank 0) when no rank recorded any load so far: the model is not counting
+        into `expert_load_view`. One host read and, with several ranks, one agreement on
+        the control group: collective, call it at one step on every rank."""
+        seen = self.any_load()
+        if self.num_gpus > 1:  # the EP ranks
+            seen = agree(seen, control_group)
+        if not seen and rank == 0:
+            log.warning("eplb: the model recorded no load in %d steps: expert_load_view is "
+                        "still all zero; the model must add the tokens each slot receives into "
+                        "the load view it was given (see docs/bring-your-own-model.md); "
+                        "rebalancing is held off until it does", steps)
 
     def last_gpu_load(self) -> torch.Tensor:  # [L, M]
         """This rank's per-GPU counts of the most recent step (not reduced over ranks)."""

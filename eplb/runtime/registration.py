@@ -1,5 +1,8 @@
 """Checks of what a model registers with the runtime, with errors every rank raises alike.
 
+`check_model` refuses what is not a `MixtureOfExperts` (with the fix for an unwrapped
+transformers model); `model_device` is where its experts live.
+
 `expert_weights_problem` looks at this rank's tensors (one list per MoE layer, each
 `[S, ...]`, sharing memory with what the layer itself reads); `check_registration` makes
 every rank reach the same verdict (one small all_gather) and, when experts have
@@ -13,9 +16,44 @@ import torch
 import torch.distributed as dist
 
 from eplb.core.placement import Placement
+from eplb.protocol import is_unwrapped_hf_model, missing_members
 from eplb.runtime.verify import slot_checksums
 
-__all__ = ["check_registration", "expert_weights_problem"]
+__all__ = ["check_model", "check_registration", "check_slots", "expert_weights_problem",
+           "model_device"]
+
+
+def check_model(model) -> None:
+    """TypeError unless `model` implements MixtureOfExperts; ValueError without MoE layers."""
+    missing = missing_members(model)
+    if missing and is_unwrapped_hf_model(model):
+        raise TypeError(f"{type(model).__name__} is a transformers model: pass what "
+                        "`moe.hf.expert_parallel(model, R)` returns (the expert-parallel "
+                        "wrapper, which implements MixtureOfExperts), not the model itself")
+    if missing:
+        raise TypeError(f"{type(model).__name__} does not implement MixtureOfExperts: "
+                        f"missing {', '.join(missing)}")
+    if model.num_moe_layers < 1:
+        raise ValueError("model has no MoE layers (num_moe_layers must be >= 1)")
+
+
+def check_slots(model, world_size: int) -> None:
+    """ValueError unless the model's slots split evenly: S * world_size == P."""
+    P, S = model.num_physical_experts, model.num_local_physical_experts
+    if S * world_size != P:
+        raise ValueError(f"model has num_local_physical_experts={S} on each of {world_size} "
+                         f"ranks, but num_physical_experts={P} (expected {P // world_size})")
+
+
+def model_device(model) -> torch.device:
+    """The device of the model's first expert tensor (else first parameter, else CPU)."""
+    for w in getattr(model, "expert_weights", None) or []:
+        for t in w:
+            return t.device
+    if isinstance(model, torch.nn.Module):
+        for p in model.parameters():
+            return p.device
+    return torch.device("cpu")
 
 
 def expert_weights_problem(model, expert_weights: list[list[torch.Tensor]], S: int) -> str | None:

@@ -1,15 +1,17 @@
 """Moving expert weights from one placement to the next, into the model's own tensors.
 
-Three modules:
+Four modules:
 
 * `eplb.core.transfer_plan` (pure, numpy): from the old and new `physical_to_logical` rows of
   one layer, one rank's plan: which local slots stay, which are filled from an expert the
   rank already holds, which experts arrive from which peer and what the rank sends;
 * how experts travel: `eplb.runtime.transports.P2PTransport` (NCCL or gloo point-to-point),
   `eplb.runtime.ipc.IpcTransport` (CUDA IPC on one host), picked by
-  `eplb.runtime.transport_choice.make_transport`;
+  `eplb.runtime.transport_choice.make_transport`, both `Transport`s
+  (`eplb.runtime.transport_base`: the contract, the staging buffer, and `write_layer`,
+  the default write of staging into the slots);
 * this module: one layer carried out *into the model's own tensors* (`exchange_layer`,
-  `write_layer`, `execute_layer_transfer`): weights are written with `copy_` into slot
+  `execute_layer_transfer`): weights are written with `copy_` into slot
   views, so storage and `data_ptr` never change and CUDA graphs and registered views stay
   valid. (`TransferExecutor`, the standalone whole-placement move of tools and
   benchmarks, is in `eplb.runtime.executor`, above the one layer mover it drives.)
@@ -17,7 +19,8 @@ Three modules:
 Per layer and rank the execution is (after vLLM's `move_to_buffer`/`move_from_buffer`
 and SGLang's `update_expert_weights_single_layer`), in two public halves that an
 asynchronous caller can run apart (`exchange_layer` in a background thread or launched
-from the step loop, on a side stream; `write_layer` at a step boundary):
+from the step loop, on a side stream; the transport's `write`, by default
+`transport_base.write_layer`, at a step boundary):
 
 1. (`exchange_layer`) copy experts needed locally whose only local source slot is about
    to be overwritten into a staging buffer (an in-place write could clobber the source);
@@ -47,10 +50,10 @@ from typing import Sequence
 import torch
 
 from eplb.core.transfer_plan import LayerTransferPlan
+from eplb.runtime.staging import allocate_staging, check_staging, check_weights
 from eplb.runtime.transport_choice import resolve_transport
-from eplb.runtime.transports import allocate_staging, check_staging, check_weights, copy_runs
 
-__all__ = ["exchange_layer", "write_layer", "execute_layer_transfer", "moves_in_place"]
+__all__ = ["exchange_layer", "execute_layer_transfer"]
 
 
 def exchange_layer(plan: LayerTransferPlan, weights: Sequence[torch.Tensor], group,
@@ -77,28 +80,13 @@ def exchange_layer(plan: LayerTransferPlan, weights: Sequence[torch.Tensor], gro
     return resolve_transport(transport).exchange(plan, weights, group, staging)
 
 
-@torch.no_grad()
-def write_layer(plan: LayerTransferPlan, weights: Sequence[torch.Tensor],
-                staging: Sequence[torch.Tensor]) -> None:
-    """Phase 3 of one layer, on the current stream: write every changed slot from its staging
-    row or from an unchanged local slot holding the same expert (one `copy_` per run of
-    consecutive slots); unchanged slots are never written, storage and `data_ptr` stay."""
-    weights = check_weights(plan, weights)
-    st = plan.write_from_stage  # [W]
-    if st.any():  # staging is only read when some slot comes from it
-        staging = list(staging)
-        check_staging(staging, weights, plan.num_staged)
-    copy_runs(weights, plan.write_dst[st], staging, plan.write_src[st])
-    copy_runs(weights, plan.write_dst[~st], weights, plan.write_src[~st])
-
-
 def execute_layer_transfer(plan: LayerTransferPlan, weights: Sequence[torch.Tensor],
                            group=None, staging: Sequence[torch.Tensor] | None = None, *,
                            transport=None) -> int:
     """Carry out `plan` on one layer's local expert tensors, in place; return bytes received:
-    with an IPC transport that has a hold buffer, `IpcTransport.move` (received experts
-    go straight into their slots, no staging); otherwise `exchange_layer`, the transport's
-    `settle` (IPC: wait until peers finished reading), then `write_layer`.
+    when the transport `can_move` the layer (IPC with a hold buffer), its `move` (received
+    experts go straight into their slots, no staging); otherwise `exchange_layer`, the
+    transport's `settle` (IPC: wait until peers finished reading), then its `write`.
 
     `weights`: tensors `[S, ...]` (stacked local slots, views allowed, non-contiguous too),
     written only through `copy_` into slot views, so storage and `data_ptr` are unchanged.
@@ -113,17 +101,10 @@ def execute_layer_transfer(plan: LayerTransferPlan, weights: Sequence[torch.Tens
     if plan.is_noop:
         return 0
     transport = resolve_transport(transport)
-    if moves_in_place(transport, weights):
+    if transport.can_move(weights):
         return transport.move(plan, weights, group)
     staging = allocate_staging(weights, plan.num_staged) if staging is None else list(staging)
     received = exchange_layer(plan, weights, group, staging, transport=transport)
     transport.settle(plan, group)
-    write_layer(plan, weights, staging)
+    transport.write(plan, weights, staging)
     return received
-
-
-def moves_in_place(transport, weights: Sequence[torch.Tensor]) -> bool:
-    """Whether `execute_layer_transfer` moves this layer with `transport.move` (the IPC
-    transport with its hold buffer) rather than exchange, settle and write."""
-    can = getattr(transport, "can_move", None)
-    return bool(can is not None and can(list(weights)))

@@ -9,7 +9,8 @@ IPC transport, straight into the slots). `eplb.runtime.transfer` drives them.
   a synchronous layer in place through a hold buffer;
 * `eplb.runtime.transport_choice.make_transport("auto")` picks between them.
 
-Ranks here are *group-relative*; `global_rank` maps them for torch.distributed.
+Both derive from `eplb.runtime.transport_base.TransportBase` (the `Transport` contract,
+the staging buffer and the run-wise slot copies). Ranks here are *group-relative*; `global_rank` maps them for torch.distributed.
 """
 from __future__ import annotations
 
@@ -19,21 +20,18 @@ import numpy as np
 import torch
 
 from eplb.core.transfer_plan import LayerTransferPlan
+from eplb.runtime.staging import copy_runs
+from eplb.runtime.transport_base import TransportBase
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_HOLD_CHUNK_BYTES",
     "P2PTransport",
-    "allocate_staging",
-    "check_staging",
-    "check_weights",
-    "copy_runs",
     "device_uuid",
     "global_rank",
     "peer_blocks",
     "send_lists",
     "stage_local",
-    "staging_rows",
     "weights_key",
 ]
 
@@ -51,62 +49,12 @@ holds the next chunk. Chosen by measurement on 2 x H200 (benchmarks/README.md, o
 of DeepSeek-V3 experts swapped): 0.66 / 0.85 / 0.91 / 0.78 of the raw peer copy with
 128 MiB / 512 MiB / 2 GiB / 16 GiB (one chunk: no overlap) chunks."""
 
-def staging_rows(plan: LayerTransferPlan) -> int:
-    """Staging rows `exchange_layer` needs for `plan` (`plan.num_staged`, at most S)."""
-    return plan.num_staged
-
-
-def allocate_staging(weights: Sequence[torch.Tensor], rows: int | None = None) -> list[torch.Tensor]:
-    """A contiguous staging buffer for one layer: per weight tensor `[rows, ...]`
-    (default `rows = S`, one layer of local experts), same dtype and device."""
-    return [torch.empty((w.shape[0] if rows is None else rows, *w.shape[1:]),
-                        dtype=w.dtype, device=w.device) for w in weights]
-
-
-def check_staging(staging: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], rows: int) -> None:
-    if len(staging) != len(weights):
-        raise ValueError(f"staging has {len(staging)} tensors, the layer has {len(weights)}")
-    for i, (b, w) in enumerate(zip(staging, weights)):
-        if (b.shape[1:] != w.shape[1:] or b.shape[0] < rows or b.dtype != w.dtype
-                or b.device != w.device or not b.is_contiguous()):
-            raise ValueError(
-                f"staging[{i}] must be contiguous [>= {rows}, {', '.join(map(str, w.shape[1:]))}] "
-                f"{w.dtype} on {w.device}; got {tuple(b.shape)} {b.dtype} on {b.device}")
-
-
-def check_weights(plan: LayerTransferPlan, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    weights = list(weights)
-    for i, w in enumerate(weights):
-        if w.shape[0] != plan.slots_per_rank:
-            raise ValueError(f"weights[{i}] has {w.shape[0]} slots, the plan expects {plan.slots_per_rank}")
-    return weights
-
-
 def global_rank(group, rank: int) -> int:
     import torch.distributed as dist
 
     if group is None or group is dist.group.WORLD:
         return rank
     return dist.get_global_rank(group, rank)
-
-
-def _runs(a, b) -> list[tuple[int, int, int]]:
-    """Split paired index arrays into maximal runs where both step by +1: `(a0, b0, n)`,
-    so one `copy_` of `n` consecutive slots/rows replaces `n` single-slot copies."""
-    a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)  # [n], [n]
-    if a.size == 0:
-        return []
-    cut = np.flatnonzero((np.diff(a) != 1) | (np.diff(b) != 1)) + 1
-    starts, ends = np.concatenate([[0], cut]), np.concatenate([cut, [a.size]])
-    return [(int(a[s]), int(b[s]), int(e - s)) for s, e in zip(starts, ends)]
-
-
-def copy_runs(dst: Sequence[torch.Tensor], dst_idx, src: Sequence[torch.Tensor], src_idx) -> None:
-    """`dst[i][dst_idx[j]] = src[i][src_idx[j]]` for every tensor `i` and index `j`, one
-    `copy_` per run of indices consecutive on both sides (`_runs`), on the current stream."""
-    for d0, s0, n in _runs(dst_idx, src_idx):
-        for d, t in zip(dst, src):
-            d[d0:d0 + n].copy_(t[s0:s0 + n])
 
 
 def stage_local(plan: LayerTransferPlan, weights, staging) -> None:
@@ -215,7 +163,7 @@ class _Arena:
         return torch.empty(nbytes, dtype=torch.uint8, device=device), True
 
 
-class P2PTransport:
+class P2PTransport(TransportBase):
     """Point-to-point exchange over the group's backend (NCCL on GPUs, gloo on CPU),
     coalesced per peer and chunked.
 
