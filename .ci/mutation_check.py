@@ -86,7 +86,7 @@ MUTATIONS = [
         ("tests/test_transfer_fuzz.py::test_fuzz_transitions_4_ranks",),
         "experts copied locally from a slot that is overwritten are never staged"),
     Mutation(
-        "wrong_sender", ("eplb.core.transfer_plan",),
+        "wrong_sender", ("eplb.core.senders", "eplb.core.transfer_plan"),
         "        sender[i] = h\n",
         "        sender[i] = (h + 1) % ring\n",
         ("tests/test_transfer_plan.py",),

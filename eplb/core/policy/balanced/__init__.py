@@ -19,7 +19,8 @@ The modules, one job each:
 - `packing`: packing in rounds (heavy items to the light GPUs, light items to the heavy
   ones), duplicate repair, and the refill of GPUs dominated by one hot item (one GPU or
   several: such a GPU gets the coldest experts);
-- `refinement`: pair exchanges between GPUs and moves aimed at the most loaded GPU
+- `pairs`: pair exchanges between GPUs;
+- `refinement`: moves aimed at the most loaded GPU
   (swaps, replica count changes; towards a target, first those that bring that GPU
   within it without putting another above it);
 - `solve`: the from-scratch pipeline of the steps above, and on small problems up to

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.core.policy.balanced.refinement import improve_pairs
+from eplb.core.policy.balanced.pairs import improve_pairs
 from eplb.core.policy.balanced.rows import counts_of, gpu_sums, slot_loads
 
 WARM_TOKENS = 8.0  # a slot expecting this many tokens per step is empty with p < 0.04%

@@ -12,7 +12,8 @@ from eplb.core.policy.balanced.budgets import (COUNT_ITERS, COUNT_MOVES_WORK, CO
                                  GOOD_ENOUGH, MAX2_WORK, MAX_ITERS, MAX_WORK, PAIR_ITERS, PAIR_WORK, SMALL,
                                  iterations)
 from eplb.core.policy.balanced.packing import pack, pack_pairs, refill_hot, repair_duplicates
-from eplb.core.policy.balanced.refinement import improve_max, improve_pairs
+from eplb.core.policy.balanced.pairs import improve_pairs
+from eplb.core.policy.balanced.refinement import improve_max
 from eplb.core.policy.balanced.replicas import compositions, count_search_pairs, exact_counts_pairs, replica_counts
 from eplb.core.policy.balanced.rows import argsort_rows, counts_of, has_duplicates, max_load, take
 

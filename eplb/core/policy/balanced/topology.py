@@ -13,7 +13,7 @@ from eplb.core.policy import deepseek
 from eplb.core.policy.balanced.budgets import SMALL
 from eplb.core.policy.balanced.moves import plan_rows
 from eplb.core.policy.balanced.packing import pack
-from eplb.core.policy.balanced.refinement import improve_pairs
+from eplb.core.policy.balanced.pairs import improve_pairs
 from eplb.core.policy.balanced.rows import lexmin, max_load, take
 
 
