@@ -85,7 +85,7 @@ def test_transport_and_launch_values_match_the_runtime():
     must be exactly the runtime's TRANSPORTS and LAUNCH_MODES."""
     import ast
 
-    from eplb.runtime.placement_change import LAUNCH_MODES
+    from eplb.runtime.move_options import LAUNCH_MODES
     from eplb.runtime.transport_choice import TRANSPORTS
 
     for field, values in (("transport", TRANSPORTS), ("exchange_launch", LAUNCH_MODES)):
@@ -133,7 +133,7 @@ def test_settings_table_matches_the_config_the_parsers_and_the_metrics():
     import re
 
     from eplb.ops.metrics import EplbMetrics
-    from eplb.runtime.placement_change import LAUNCH_MODES
+    from eplb.runtime.move_options import LAUNCH_MODES
     from eplb.runtime.transport_choice import TRANSPORTS
     from test_metrics import make_runtime, skewed_pass, step_with
 
