@@ -187,7 +187,7 @@ def test_job_blocks_print_what_the_doc_shows(block_id, job_session):
         assert json.loads((tmp / "placement.json").read_text())["num_gpus"] == 2
     if block_id == "ops-trace":
         with np.load(tmp / "trace.npz") as z:
-            assert z["logical_count"].shape == (10, 4, 32)  # [T, L, N]: --count 10
+            assert z["counts"].shape == (10, 4, 32)  # [T, L, N]: --count 10
 
 
 @pytest.mark.slow
