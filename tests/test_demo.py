@@ -225,3 +225,36 @@ def test_failing_rank_stops_the_others(tmp_path):
     except ProcessLookupError:
         alive = False
     assert not alive, f"rank 0 (pid {pid0}) is still running"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_sigterm_to_the_launcher_stops_its_ranks(tmp_path):
+    """`kill` (SIGTERM) of `eplb demo`'s launcher, as `timeout`, a service manager or a shell
+    ending its background job sends it: the ranks stop too (they used to keep running,
+    orphaned, and kept the port) and the launcher exits 143."""
+    rank = "import os, sys, time; open(sys.argv[1] + os.environ['RANK'], 'w').write(str(os.getpid())); time.sleep(120)"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from eplb.ops.launch import launch_command; "
+         f"sys.exit(launch_command([sys.executable, '-c', {rank!r}, sys.argv[1]], 2))", str(tmp_path / "rank")],
+        env=env())
+    pidfiles = [tmp_path / "rank0", tmp_path / "rank1"]
+    deadline = time.monotonic() + 60
+    while not all(f.is_file() and f.read_text() for f in pidfiles) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int(f.read_text()) for f in pidfiles]
+    try:
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=30) == 143
+        time.sleep(0.2)  # reaped by the launcher already; nothing left to wait for
+        assert not [p for p in pids if _alive(p)], "ranks still running after the launcher's SIGTERM"
+    finally:
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)

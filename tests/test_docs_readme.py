@@ -112,7 +112,8 @@ def _output_block(block_id: str):
 
 def test_every_output_block_has_a_test():
     assert {b.id for b in regen.find_blocks(README)} == {"demo", "demo-qwen3", "metrics"}
-    assert set(regen.TOLERANCE) == {"demo", "demo-qwen3", "metrics"}
+    # the others are docs/operations.md's (tests/test_docs_ops.py)
+    assert {k for k in regen.TOLERANCE if not k.startswith("ops-")} == {"demo", "demo-qwen3", "metrics"}
 
 
 @pytest.mark.slow

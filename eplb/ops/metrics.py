@@ -119,7 +119,7 @@ class EplbMetrics:
             "over layers), averaged over the last metrics interval.", ["gpu"], registry=r)
         self.rebalances = Counter(
             "eplb_rebalances_total", "Rebalances by trigger (interval, request, api, initial, shift) "
-            "and outcome (success, failure).", ["trigger", "outcome"], registry=r)
+            "and outcome (success, failure, skipped).", ["trigger", "outcome"], registry=r)
         self.duration = Histogram(
             "eplb_rebalance_duration_seconds", "Duration of successful rebalances by phase "
             "(plan, transfer, commit, total).", ["phase"], buckets=DURATION_BUCKETS, registry=r)
