@@ -316,8 +316,9 @@ def summarize(records: list[dict], seconds: float, a: argparse.Namespace,
 
 
 # strength of log-popularity in the router's selection bias. Router scores are softmax
-# probabilities (~1/N); at 0.015 the realised routing of the synthetic workload has a
-# hottest expert at ~3x the mean, as in the real ESFT and OLMoE traces.
+# probabilities (~1/N); chosen so that the synthetic workload's hottest expert is a few
+# times the mean, as in the real ESFT and OLMoE traces (measured by
+# benchmarks/diag/hf_bf16_gap.py, benchmarks/README.md "Demo constants").
 DEMO_BIAS_STRENGTH = 0.015
 
 
