@@ -4,8 +4,9 @@ Why: a rebalance in the background plans in a thread of the serving process. Pla
 milliseconds of Python and small numpy calls that hold the GIL; meanwhile the step loop's
 thread, which releases the GIL around every torch call (each kernel launch), must wait
 for it again after each one, up to the interpreter's switch interval (5 ms) per wait.
-Measured on 2 x H200 this delayed single steps by up to ~9 ms while a rebalance was
-planned (benchmarks/README.md, issue 4). A child process has its own interpreter: the
+On 2 x H200 this delayed the steps that ran while a rebalance was planned (the
+measurements: benchmarks/README.md, "Transfers, recording, asynchronous rebalance ... 5.
+Later the same day: the planner in a child process"). A child process has its own interpreter: the
 step loop's thread only waits on a pipe, which releases the GIL.
 
 `PlannerProcess.plan(...)` takes the arguments of `eplb.core.planning.plan` and returns the

@@ -19,10 +19,9 @@ each implements `Transport` (tests/test_transport_protocol.py checks it)."""
 
 AUTO_PREFERS_IPC = True
 """`make_transport("auto")` picks CUDA IPC when every rank is on one host with CUDA weights
-and an NCCL group (measured faster there on 2 x H200, one DeepSeek-V3 layer: exchange 0.93
-vs 0.89 of the raw peer copy for a whole-layer swap, 0.86 vs 0.79 for a 25% change; a
-synchronous move in place 0.90 against 0.75 for NCCL's exchange and write); otherwise
-NCCL (or gloo) point-to-point."""
+and an NCCL group (measured faster there on 2 x H200 for whole-layer and partial swaps and
+for the synchronous move in place: benchmarks/README.md, "Transfers, recording, asynchronous
+rebalance" sections 5-6); otherwise NCCL (or gloo) point-to-point."""
 
 
 def make_transport(kind: str = "auto", expert_weights: Sequence[Sequence[torch.Tensor]] | None = None,

@@ -38,9 +38,9 @@ __all__ = [
 
 DEFAULT_CHUNK_BYTES = 1 << 30
 """Largest message of the point-to-point transport, in bytes (`P2PTransport.chunk_bytes`).
-Chosen by measurement on 2 x H200 (benchmarks/results/transfer-2026-11-30.md): one layer
-of DeepSeek-V3 experts swapped between 2 GPUs reached 0.44 / 0.64 / 0.75 / 0.90 of the raw
-peer copy with 16 MiB / 64 MiB / 256 MiB / 1 GiB messages."""
+Chosen by measurement on 2 x H200: the share of the raw peer copy a whole-layer swap
+reaches grows with the message size up to 1 GiB (figures: benchmarks/results/transfer-2026-11-30.md
+and benchmarks/README.md, "Moving one DeepSeek-V3 layer between two GPUs")."""
 
 DEFAULT_HOLD_CHUNK_BYTES = 2 << 30
 """Granularity of `IpcTransport.move`'s pipeline: a receiver tells its senders when each
