@@ -61,6 +61,8 @@ TOLERANCE = {
     "ops-trigger": ANY_NUMBER,
     "ops-slots": [r" +[\d.]+$"],  # seeded replay: exact but for the last column (plan ms)
 }
+# (blocks whose every number is masked are compared with runs of spaces inside a line
+# collapsed: a table's column widths follow its figures)
 # notes a live job prints or not depending on its speed: dropped before comparing (on a
 # busy machine `eplb record` may take a snapshot before the job's next metrics update)
 LIVE_NOTES = [r" \(no metrics update since the last snapshot\)$"]
@@ -256,8 +258,11 @@ def mask(text: str, block_id: str) -> list[str]:
     for line in text.splitlines():
         for pattern in OPTIONAL.get(block_id, []):
             line = re.sub(pattern, "", line)
-        for pattern in TOLERANCE.get(block_id, TIMINGS):
+        patterns = TOLERANCE.get(block_id, TIMINGS)
+        for pattern in patterns:
             line = re.sub(pattern, "<#>", line)
+        if ANY_NUMBER[0] in patterns:  # every figure varies: so do the widths of aligned columns
+            line = re.sub(r"(?<=\S) {2,}", " ", line)
         lines.append(line.rstrip())
     return lines
 
