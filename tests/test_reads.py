@@ -84,6 +84,19 @@ def test_warm_slots_leave_the_plan_as_it_is():
     assert base.shape == warm.shape
 
 
+def test_an_all_zero_layer_plans_without_nan():
+    """A window without traffic in one layer is legitimate (plan()'s contract): the pass
+    leaves that layer as the plan without it and warns of nothing."""
+    import warnings
+
+    load = _loads(6)
+    load[2] = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a 0/0 in the pass would warn
+        aware = plan(load, 8, 72, read_tokens=100.0, step_choices=8 * 16 * 4.0).physical_to_logical
+    assert np.array_equal(aware[2], plan(load, 8, 72).physical_to_logical[2])
+
+
 def test_with_previous_small_gains_do_not_move():
     M, P = 8, 72
     load = _loads(5)

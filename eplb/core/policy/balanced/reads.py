@@ -11,7 +11,7 @@ In token units, a slot with an expected `lam` tokens per step (Poisson) costs
 
     lam + read_tokens * (1 - exp(-lam))      # tokens, plus a read when it is not empty
 
-and this pass balances that per-GPU sum by pair exchanges (`refinement.improve_pairs`;
+and this pass balances that per-GPU sum by pair exchanges (`pairs.improve_pairs`;
 replica counts and node locality do not change). A row keeps the result only when its
 largest GPU cost falls by more than `min_gain` (relative): each exchange is two copies.
 When every slot expects at least `WARM_TOKENS` tokens per step the read term is the same
@@ -38,21 +38,18 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     tokens. Returns the rows with the lowest largest GPU cost found."""
     if read_tokens <= 0 or step_choices <= 0 or m < 2:
         return p2l
-    L, n = w.shape
-    R, p = p2l.shape
+    n = w.shape[1]
     wr = np.repeat(w, rows_per_layer, axis=0)  # [R, n] every row sees its layer's load
-    c = counts_of(p2l, n)  # [R, n]
-    x = slot_loads(wr, p2l, c)  # [R, p]
-    total = np.repeat(w.sum(1), rows_per_layer)  # [R] the layer's load
-    lam = np.divide(x * step_choices, total[:, None], out=np.zeros_like(x),
-                    where=total[:, None] > 0)  # [R, p] tokens per step
-    cold = (lam < WARM_TOKENS).any(1)  # [R] rows where some slot may be empty
+    total = wr.sum(1, keepdims=True)  # [R, 1] the layer's load
+    c = counts_of(p2l, n)  # [R, n] replicas in the row
+    share = np.divide(wr, total * np.maximum(c, 1), out=np.zeros_like(wr), where=total > 0)
+    lam = share * step_choices  # [R, n] tokens per step on each replica of an expert
+    cold = ((lam < WARM_TOKENS) & (c > 0)).any(1)  # [R] rows where some slot may be empty
     if not cold.any():
         return p2l
     rows = np.nonzero(cold)[0]
     # per-expert cost weights whose per-slot value (weight / count) is the slot's cost
-    lam_e = np.divide(wr[rows] * step_choices, total[rows, None] * np.maximum(c[rows], 1))  # [R', n]
-    cost_w = c[rows] * (lam_e + read_tokens * -np.expm1(-lam_e))  # [R', n]
+    cost_w = c[rows] * (lam[rows] + read_tokens * -np.expm1(-lam[rows]))  # [R', n]
     before = gpu_sums(slot_loads(cost_w, p2l[rows], c[rows]), m).max(1)  # [R']
     new = improve_pairs(cost_w, p2l[rows], m, READ_ITERS)  # [R', p]
     after = gpu_sums(slot_loads(cost_w, new, c[rows]), m).max(1)
