@@ -1,16 +1,19 @@
 """Issue 29, target 3: decode-aware packing (`read_tokens`) against the default and deepseek.
 
     python benchmarks/issue29_reads.py --out /tmp/i29reads                 # EP 8-32, 16/32/128 tokens per GPU
-    python benchmarks/issue29_reads.py --ep 8 --tokens 16 --read-tokens 100,250 --out DIR
+    python benchmarks/issue29_reads.py --ep 8 --tokens 16 --variants 100:40,250:inf --out DIR
 
 The cost replay of benchmarks/issue29.py (`eplb.core.scale`, analytic roofline, window and
 interval 4, one spare slot per GPU, shift-aware default) at decode batch sizes where cold
-experts' slots can be empty in a step. For each `read_tokens` value the default planner
-replans with the decode-aware pass (`eplb.core.policy.balanced.reads`; `step_choices` = GPUs x
-tokens per GPU x top_k) and is scored on the same steps as the default without it and
-deepseek. Prints one line per configuration: default/deepseek, then for each value
-(read-aware)/deepseek, (read-aware)/default and moves per rebalance. Writes
-`issue29_reads.json` under `--out` after every line.
+experts' slots can be empty in a step; token counts are Poisson draws of the expected
+counts (`--counts poisson`, the default here: a cold slot reads its weights in some steps
+and not in others) or the expected counts rounded (`--counts expected`). For each variant
+`R:D` (read_tokens R, dispatch_tokens D; `inf`: the busiest GPU's tokens never rise) the
+default planner replans with the decode-aware pass (`eplb.core.policy.balanced.reads`;
+`step_choices` = GPUs x tokens per GPU x top_k) and is scored on the same steps as the
+default without it and deepseek. Prints one line per configuration: default/deepseek,
+then for each variant (read-aware)/deepseek, (read-aware)/default and moves per
+rebalance. Writes `issue29_reads.json` under `--out` after every line.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eplb.core.cost_model import MODEL_PRESETS, AnalyticCost, LinkModel  # noqa: E402
-from eplb.core.scale import PlanOptions, plan_scale, scale_replay  # noqa: E402
+from eplb.core.scale import COUNTS, PlanOptions, plan_scale, scale_replay  # noqa: E402
 import issue29  # noqa: E402
 
 WINDOW = INTERVAL = 4
@@ -38,24 +41,33 @@ def _moves(blocks) -> float:
     return float(np.mean(moved)) if moved else 0.0
 
 
+def _variants(text: str) -> list[tuple[float, float]]:
+    out = []
+    for v in text.split(","):
+        r, _, d = v.partition(":")
+        out.append((float(r), float(d) if d else float("inf")))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--ep", default="8,16,32")
     ap.add_argument("--tokens", default="16,32,128", help="tokens per GPU per step (decode batch)")
-    ap.add_argument("--read-tokens", default="100", help="values of read_tokens to try")
+    ap.add_argument("--variants", default="100:40", help="R:D pairs (read_tokens:dispatch_tokens) to try")
+    ap.add_argument("--counts", choices=COUNTS, default="poisson")
     ap.add_argument("--models", default="deepseek-v3,qwen3-235b")
-    ap.add_argument("--traces", default="esft,olmoe,steady-lognormal,shift-lognormal")
+    ap.add_argument("--traces", default="esft,olmoe,steady-lognormal,shift-lognormal,shift-zipf,drift")
     ap.add_argument("--shared", default=None, help="where the shared traces are (benchmarks/scale.py)")
     a = ap.parse_args()
     if a.shared:
         issue29.SHARED_DIR[0] = a.shared
     eps = [int(x) for x in a.ep.split(",")]
     tokens = [int(x) for x in a.tokens.split(",")]
-    alphas = [float(x) for x in a.read_tokens.split(",")]
+    variants = _variants(a.variants)
     loads = issue29._all_loads()
     cost, link = AnalyticCost(), LinkModel()
-    doc = {"date": datetime.date.today().isoformat(), "cost": "analytic", "rows": []}
+    doc = {"date": datetime.date.today().isoformat(), "cost": "analytic", "counts": a.counts, "rows": []}
     a.out.mkdir(parents=True, exist_ok=True)
     for model, name, M in issue29.configs(eps, a.models.split(","), a.traces.split(",")):
         shape = MODEL_PRESETS[model]
@@ -64,22 +76,24 @@ def main() -> None:
         base = plan_scale(loads[name], shape, M, P, WINDOW, INTERVAL, link, ("static", "deepseek", "default"))
         for tok in tokens:
             choices = M * tok * shape.top_k
-            r = scale_replay(loads[name], shape, M, P, tok, WINDOW, INTERVAL, cost, link, planned=base).rows
+            r = scale_replay(loads[name], shape, M, P, tok, WINDOW, INTERVAL, cost, link, planned=base,
+                             counts=a.counts).rows
             row = {"model": model, "trace": name, "ep": M, "tokens_per_gpu": tok,
                    "default/deepseek": r["default"].tokens_per_s / r["deepseek"].tokens_per_s,
                    "moves_default": _moves(base[1]["default"]), "reads": {}}
             line = (f"{model:<12} {name:<16} EP {M:>3} {tok:>4} tok/GPU  default/deepseek "
                     f"{row['default/deepseek']:.4f}")
-            for alpha in alphas:
-                opts = PlanOptions(read_tokens=alpha, step_choices=choices)
+            for read, disp in variants:
+                opts = PlanOptions(read_tokens=read, step_choices=choices, dispatch_tokens=disp)
                 pl = plan_scale(loads[name], shape, M, P, WINDOW, INTERVAL, link, ("static", "default"), opts=opts)
                 r2 = scale_replay(loads[name], shape, M, P, tok, WINDOW, INTERVAL, cost, link,
-                                  planned=pl, opts=opts).rows
+                                  planned=pl, opts=opts, counts=a.counts).rows
                 ra = r2["default"].tokens_per_s
-                row["reads"][f"{alpha:g}"] = {"reads/deepseek": ra / r["deepseek"].tokens_per_s,
-                                              "reads/default": ra / r["default"].tokens_per_s,
-                                              "moves": _moves(pl[1]["default"])}
-                line += (f" | read_tokens {alpha:g}: /deepseek {ra / r['deepseek'].tokens_per_s:.4f}"
+                key = f"{read:g}:{disp:g}"
+                row["reads"][key] = {"reads/deepseek": ra / r["deepseek"].tokens_per_s,
+                                     "reads/default": ra / r["default"].tokens_per_s,
+                                     "moves": _moves(pl[1]["default"])}
+                line += (f" | {key}: /deepseek {ra / r['deepseek'].tokens_per_s:.4f}"
                          f" /default {ra / r['default'].tokens_per_s:.4f} moves "
                          f"{_moves(pl[1]['default']):.0f} ({row['moves_default']:.0f})")
             doc["rows"].append(row)

@@ -118,3 +118,91 @@ def test_with_previous_small_gains_do_not_move():
 def test_bad_read_settings_are_refused(kw, msg):
     with pytest.raises(ValueError, match=msg):
         plan(_loads(0), 8, 72, **kw)
+
+
+def _gpu_tokens(load: np.ndarray, p2l: np.ndarray, M: int, choices: float) -> np.ndarray:
+    """[L] the largest per-GPU expected tokens per step, loop by loop."""
+    L, P = p2l.shape
+    S = P // M
+    out = np.zeros(L)
+    for layer in range(L):
+        total = load[layer].sum()
+        for g in range(M):
+            tok = sum(load[layer, e] / total * choices / int((p2l[layer] == e).sum())
+                      for e in p2l[layer, g * S:(g + 1) * S])
+            out[layer] = max(out[layer], tok)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 7])
+def test_dispatch_tokens_price_the_busiest_gpu_tokens(seed):
+    """The busiest GPU's tokens set its all-to-all: with `dispatch_tokens` inf the pass
+    never raises them; with a price D, the largest GPU cost plus D x their rise (both
+    computed here by loops) never exceeds the largest GPU cost of the plan without the
+    pass; with D = 0 the pass is free to raise them and reaches at least as low a cost."""
+    N, M, P = 64, 8, 72
+    load = _loads(seed)
+    choices, read = M * 16 * 4.0, 100.0
+    base = plan(load, M, P).physical_to_logical
+    cost0, tok0 = _gpu_cost(load, base, M, choices, read), _gpu_tokens(load, base, M, choices)
+    costs = {}
+    for d in (float("inf"), 40.0, 0.0):
+        aware = plan(load, M, P, read_tokens=read, step_choices=choices, dispatch_tokens=d).physical_to_logical
+        _check_same_counts_no_duplicates(base, aware, M, N)
+        cost, tok = _gpu_cost(load, aware, M, choices, read), _gpu_tokens(load, aware, M, choices)
+        if d == float("inf"):
+            assert (tok <= tok0 * (1 + 1e-9)).all(), (tok, tok0)
+            assert (cost <= cost0 + 1e-9).all()
+        else:
+            assert (cost + d * np.maximum(tok - tok0, 0.0) <= cost0 + 1e-9).all(), (d, cost, tok, cost0, tok0)
+        costs[d] = cost
+    assert costs[0.0].sum() <= costs[float("inf")].sum() + 1e-9
+
+
+def test_a_free_dispatch_lets_the_pass_raise_tokens_somewhere():
+    """The price is not dead code: over a few loads, D = 0 raises the busiest GPU's tokens
+    in some layer (to cut reads), which D = inf never does."""
+    M, P = 8, 72
+    choices, read = M * 16 * 4.0, 100.0
+    raised = 0
+    for seed in range(4):
+        load = _loads(seed)
+        base = plan(load, M, P).physical_to_logical
+        free = plan(load, M, P, read_tokens=read, step_choices=choices, dispatch_tokens=0.0).physical_to_logical
+        raised += int((_gpu_tokens(load, free, M, choices) > _gpu_tokens(load, base, M, choices) * (1 + 1e-9)).sum())
+    assert raised > 0
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), True, "1"])
+def test_bad_dispatch_tokens_are_refused(value):
+    with pytest.raises(ValueError, match="dispatch_tokens must be a number >= 0"):
+        plan(_loads(0), 8, 72, read_tokens=10.0, step_choices=10.0, dispatch_tokens=value)
+
+
+def test_swap_down_and_objective_hold_the_token_cap_on_their_own():
+    """Both guards of `dispatch_tokens` inf, each without the other: the swap search never
+    takes a swap that lifts a GPU above the row's busiest tokens, and the objective that
+    decides whether a row keeps the pass's result is inf for a row whose busiest GPU
+    gained tokens (sums done here by hand)."""
+    from eplb.core.policy.balanced.reads import objective, swap_down
+
+    rng = np.random.default_rng(11)
+    R, m, s, n = 5, 4, 6, 30
+    p2l = np.stack([rng.permutation(n)[: m * s] for _ in range(R)])  # [R, p] distinct experts
+    tokens = rng.lognormal(0.0, 1.5, size=(R, n))  # [R, n]
+    cost = tokens + 50.0 * -np.expm1(-tokens)
+    out = swap_down(cost, tokens, p2l, m, n, 200)
+    per_gpu = lambda v, q: np.array([[v[r, q[r, g * s:(g + 1) * s]].sum() for g in range(m)] for r in range(R)])
+    assert (per_gpu(tokens, out).max(1) <= per_gpu(tokens, p2l).max(1) * (1 + 1e-9)).all()
+    assert not np.array_equal(out, p2l)  # it did swap
+    # a row where the busiest GPU's tokens rose: swap the hottest expert onto the busiest GPU
+    t0 = per_gpu(tokens, p2l)
+    raised = p2l.copy()
+    r = 0
+    h = int(t0[r].argmax())
+    hot = max(range(m * s), key=lambda i: tokens[r, p2l[r, i]] if i // s != h else -1)
+    cold = min(range(h * s, (h + 1) * s), key=lambda i: tokens[r, p2l[r, i]])
+    raised[r, hot], raised[r, cold] = p2l[r, cold], p2l[r, hot]
+    got = objective(cost, tokens, raised, m, float("inf"), p2l)
+    assert np.isinf(got[0]) and np.isfinite(got[1:]).all()
+    assert got[1:] == pytest.approx(per_gpu(cost, raised)[1:].max(1))

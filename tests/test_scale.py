@@ -234,7 +234,8 @@ def test_cli_cost_honours_the_runtime_settings_and_prints_ratios(tmp_path, capsy
         in outs[0].splitlines()[0]
     opts = docs[1]["results"][0]["config"]["plan_options"]
     assert opts == {"move_tolerance": 0.5, "weighted": True, "decay": 0.5, "min_gain": 0.0,
-                    "shift_threshold": 0.0, "read_tokens": 0.0, "step_choices": 0.0}
+                    "shift_threshold": 0.0, "read_tokens": 0.0, "step_choices": 0.0,
+                    "dispatch_tokens": 40.0}
     # the settings change what default does
     a, b = (d["results"][1]["rows"] for d in docs)
     assert a["default"]["tokens_per_s"] != b["default"]["tokens_per_s"]
@@ -400,7 +401,8 @@ def test_cli_read_tokens_reaches_the_plans(tmp_path, capsys):
         assert code == 0, err
         docs.append(json.loads(out.read_text()))
         outs.append(stdout)
-    assert "read tokens 50" in outs[1].splitlines()[0] and "read tokens" not in outs[0].splitlines()[0]
+    assert "read tokens 50 (dispatch tokens 40)" in outs[1].splitlines()[0]
+    assert "read tokens" not in outs[0].splitlines()[0]
     for r, M in zip(docs[1]["results"], (4, 8)):
         assert r["config"]["plan_options"]["read_tokens"] == 50.0
         assert r["config"]["plan_options"]["step_choices"] == M * 4 * 2  # GPUs x tokens x top-k
@@ -412,3 +414,66 @@ def test_cli_read_tokens_reaches_the_plans(tmp_path, capsys):
     assert code != 0 and "--read-tokens needs --cost" in err
     code, _, err = run_main(base + ["--read-tokens", "-1"], capsys)
     assert code != 0 and "--read-tokens must be a finite number >= 0" in err
+    code, _, err = run_main(base + ["--read-tokens", "50", "--dispatch-tokens", "-1"], capsys)
+    assert code != 0 and "--dispatch-tokens must be a number >= 0" in err
+    out = tmp_path / "inf.json"
+    code, stdout, err = run_main(base + ["--read-tokens", "50", "--dispatch-tokens", "inf", "--json", str(out)],
+                                 capsys)
+    assert code == 0, err
+    assert "read tokens 50 (dispatch tokens inf)" in stdout.splitlines()[0]
+    assert json.loads(out.read_text())["results"][0]["config"]["plan_options"]["dispatch_tokens"] == float("inf")
+
+
+def test_slot_counts_poisson_draws_have_the_expected_means_and_empty_steps():
+    """`counts="poisson"`: each slot's count is a Poisson draw of its expected count
+    (computed here by hand), so a slot expecting 0.3 tokens is empty in exp(-0.3) of the
+    steps, where rounding would leave it empty in all of them."""
+    M, N = 2, 4
+    p2l = np.array([[0, 1, 0, 2, 3, 0]])  # expert 0 three times
+    shares = np.array([[0.5, 0.2, 0.3 / 1200, 0.3 - 0.3 / 1200]])
+    pl = Placement(p2l, N, M)
+    lam = np.array([200.0, 240.0, 200.0, 0.3, 360.0 - 0.3, 200.0])  # share x 1200 / replicas
+    assert slot_counts(shares, pl, 1200)[0].ravel()[3] == 0  # rounded: never a token
+    rng = np.random.default_rng(5)
+    draws = np.stack([slot_counts(shares, pl, 1200, rng)[0].ravel() for _ in range(4000)])  # [D, P]
+    assert draws.dtype == np.int64
+    sem = np.sqrt(lam / len(draws))  # Poisson: variance = mean
+    assert (np.abs(draws.mean(0) - lam) < 5 * sem).all(), (draws.mean(0), lam)
+    empty = (draws[:, 3] == 0).mean()
+    p = np.exp(-0.3)
+    assert abs(empty - p) < 5 * np.sqrt(p * (1 - p) / len(draws)), empty
+    zero = slot_counts(np.array([[1.0, 0.0, 0.0, 0.0]]), pl, 1200, rng)[0].ravel()
+    assert zero[[1, 3, 4]].tolist() == [0, 0, 0]  # no share, no token
+
+
+def test_scale_replay_poisson_counts_are_seeded_and_recorded():
+    shape = ModelShape("c", 64, 32, 16, 2, 1, 10)
+    trace = skewed_trace(T=8, L=2, N=16)
+    kw = dict(window=2, interval=2, cost=AnalyticCost(), link=LinkModel(gpus_per_node=2),
+              placements=("static", "default"))
+    runs = [scale_replay(trace, shape, 4, 20, 2, counts=c, seed=s, **kw)
+            for c, s in (("poisson", 0), ("poisson", 0), ("poisson", 1), ("expected", 0))]
+    ms = [r.rows["default"].step_ms for r in runs]
+    assert ms[0] == ms[1] and ms[0] != ms[2] and ms[0] != ms[3]
+    assert [r.config["counts"] for r in runs] == ["poisson"] * 3 + ["expected"]
+    with pytest.raises(ValueError, match="counts must be one of expected, poisson"):
+        scale_replay(trace, shape, 4, 20, 2, counts="mean", **kw)
+
+
+def test_cli_counts_reaches_the_replay(tmp_path, capsys):
+    trace = tmp_path / "t.npy"
+    np.save(trace, skewed_trace(T=8, L=2, N=16))
+    base = ["simulate", str(trace), "--cost", "analytic", "--model", "custom", "--hidden", "64",
+            "--intermediate", "32", "--top-k", "2", "--moe-layers", "10", "--num-gpus", "4",
+            "--window-size", "2", "--rebalance-interval", "2", "--gpus-per-node", "2",
+            "--tokens-per-gpu", "2", "--placements", "default"]
+    out = tmp_path / "p.json"
+    code, stdout, err = run_main(base + ["--counts", "poisson", "--json", str(out)], capsys)
+    assert code == 0, err
+    assert "; poisson counts;" in stdout.splitlines()[0]
+    assert json.loads(out.read_text())["results"][0]["config"]["counts"] == "poisson"
+    code, stdout, err = run_main(base, capsys)
+    assert code == 0 and "; expected counts;" in stdout.splitlines()[0], err
+    code, _, err = run_main(["simulate", str(trace), "--window-size", "2", "--rebalance-interval", "2",
+                             "--num-gpus", "4", "--num-slots", "20", "--counts", "poisson"], capsys)
+    assert code != 0 and "--counts needs --cost" in err

@@ -14,7 +14,7 @@ import numpy as np
 
 from eplb.core.loadio import MAX_EXPERTS, MAX_SLOTS, as_load
 from eplb.core.placement import Placement
-from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE, PolicyOptions
+from eplb.core.policy.base import DEFAULT_DISPATCH_TOKENS, DEFAULT_MOVE_TOLERANCE, PolicyOptions
 from eplb.core.policy.registry import get_policy
 
 
@@ -31,6 +31,7 @@ def plan(
     weighted: bool = False,
     read_tokens: float = 0.0,
     step_choices: float = 0.0,
+    dispatch_tokens: float = DEFAULT_DISPATCH_TOKENS,
 ) -> Placement:
     """Compute a placement for `load` ([L, N] or [T, L, N], numpy or torch; T is summed).
 
@@ -41,7 +42,8 @@ def plan(
     experts in place; `weighted` asks for per-slot shares (weighted replicas);
     `read_tokens` > 0 makes the planner decode-aware: a slot's weight read costs that many
     tokens whenever the slot gets a token, out of `step_choices` token-expert choices per
-    step and layer (`eplb.core.policy.balanced.reads`).
+    step and layer, and raising the busiest GPU's tokens costs `dispatch_tokens` per token
+    (its all-to-all; inf: never raised) (`eplb.core.policy.balanced.reads`).
 
     An all-zero load (or an all-zero layer) is legitimate, e.g. a window with no traffic:
     it gives a valid placement (every expert has a replica, no division by zero); all
@@ -66,7 +68,8 @@ def plan(
     if read_tokens > 0 and step_choices <= 0:
         raise ValueError("read_tokens needs step_choices > 0 (token-expert choices per step and layer)")
     options = PolicyOptions(move_tolerance=check_move_tolerance(move_tolerance), weighted=bool(weighted),
-                            read_tokens=read_tokens, step_choices=step_choices)
+                            read_tokens=read_tokens, step_choices=step_choices,
+                            dispatch_tokens=check_dispatch_tokens(dispatch_tokens))
 
     big = load.max(axis=1) > _RESCALE_ABOVE  # [L]: sums of such loads could overflow to inf
     if big.any():
@@ -182,6 +185,13 @@ def check_read_tokens(value: Any, name: str = "read_tokens") -> float:
     """A finite number >= 0 (not a bool), as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def check_dispatch_tokens(value: Any, name: str = "dispatch_tokens") -> float:
+    """A number >= 0 (inf allowed: the busiest GPU's tokens never rise; not a bool), as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name} must be a number >= 0 (inf allowed), got {value!r}")
     return float(value)
 
 

@@ -10,8 +10,10 @@ The replay (the same as `eplb.core.simulate`: each placement kind replans every
 `interval` steps on the last `window`, out of sample) gives, for every scored step and
 layer, which expert each slot of each of the M virtual GPUs holds. The step's logical
 load becomes token counts: the trace's shares of the layer times the step's
-`M * tokens_per_gpu * top_k` token-expert choices (expected counts, rounded), split over
-an expert's replicas evenly or by the placement's shares. Then per MoE layer
+`M * tokens_per_gpu * top_k` token-expert choices, split over an expert's replicas
+evenly or by the placement's shares: the expected counts, rounded (`counts="expected"`,
+the default), or a Poisson draw of each slot's expected count (`counts="poisson"`: at
+decode batch sizes a cold slot is sometimes empty and sometimes reads its weights). Then per MoE layer
 (the models of eplb.core.cost_model):
 
   layer time = dispatch + slowest GPU's expert work + combine
@@ -39,7 +41,7 @@ import numpy as np
 from eplb.core.cost_model import ExpertCost, LinkModel, ModelShape, exchange_seconds, move_seconds
 from eplb.core.placement import Placement
 from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD, check_topology, positive_int
-from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
+from eplb.core.policy.base import DEFAULT_DISPATCH_TOKENS, DEFAULT_MOVE_TOLERANCE
 from eplb.core.simulate import (Block, oracle_blocks, rebalance_steps, replay_policy)
 from eplb.core.workload import check_trace
 
@@ -67,12 +69,23 @@ def stack_experts(trace: np.ndarray, num_experts: int) -> np.ndarray:  # [T, L, 
     return trace[:, layer_of, :].reshape(T, L, num_experts)  # [T, L, k * Nt]
 
 
-def slot_counts(shares: np.ndarray, placement: Placement, choices: int) -> np.ndarray:
+COUNTS = ("expected", "poisson")
+"""How a step's token counts are drawn: `expected` counts, rounded (a slot expecting 0.4
+tokens never reads its weights), or `poisson` draws of them (it is empty in 67% of the
+steps and reads in the others, as in a decode step whose tokens arrive at random)."""
+
+
+def slot_counts(shares: np.ndarray, placement: Placement, choices: int,
+                rng: np.random.Generator | None = None) -> np.ndarray:
     """Token counts per GPU and slot for one step: `shares [L, N]` (rows sum to 1) of
-    `choices` token-expert choices per layer -> [L, M, S] int64 (expected counts, rounded)."""
+    `choices` token-expert choices per layer -> [L, M, S] int64: the expected counts,
+    rounded, or with `rng` a Poisson draw of each slot's expected count."""
     p2l = placement.physical_to_logical  # [L, P]
     L, P = p2l.shape
     M = placement.num_gpus
+    if rng is not None:
+        lam = (shares * choices)[np.arange(L)[:, None], p2l] * placement.slot_shares()  # [L, P]
+        return rng.poisson(lam).astype(np.int64).reshape(L, M, P // M)
     expert = np.rint(shares * choices)  # [L, N]
     per_slot = np.rint(expert[np.arange(L)[:, None], p2l] * placement.slot_shares())  # [L, P]
     return per_slot.astype(np.int64).reshape(L, M, P // M)
@@ -127,7 +140,8 @@ def _blocks(kind: str, trace: np.ndarray, initial: Placement, steps: list[int], 
     weighted = True if kind == "default-weighted" else opts.weighted
     return replay_policy(trace, initial, steps, window, "default",
                          dict(kw, weighted=weighted, move_tolerance=opts.move_tolerance,
-                              read_tokens=opts.read_tokens, step_choices=opts.step_choices),
+                              read_tokens=opts.read_tokens, step_choices=opts.step_choices,
+                              dispatch_tokens=opts.dispatch_tokens),
                          decay=opts.decay, min_gain=opts.min_gain, progress=progress,
                          shift_threshold=opts.shift_threshold)
 
@@ -143,10 +157,12 @@ class PlanOptions:
     shift_threshold: float = DEFAULT_SHIFT_THRESHOLD  # 0 = no shift-aware rebalancing
     read_tokens: float = 0.0  # decode-aware packing: tokens a weight read costs (0 = off)
     step_choices: float = 0.0  # token-expert choices per step and layer the plans assume
+    dispatch_tokens: float = DEFAULT_DISPATCH_TOKENS  # a token more on the busiest GPU's all-to-all
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("move_tolerance", "weighted", "decay", "min_gain",
-                                              "shift_threshold", "read_tokens", "step_choices")}
+                                              "shift_threshold", "read_tokens", "step_choices",
+                                              "dispatch_tokens")}
 
 
 def plans_per_kind(T: int, interval: int) -> int:
@@ -203,7 +219,8 @@ def scale_replay(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots:
                  serving_steps: int = 1000, min_gain: float = 0.0,
                  planned: tuple[np.ndarray, dict[str, list[Block]]] | None = None,
                  progress: Callable[[], None] | None = None,
-                 opts: PlanOptions = PlanOptions()) -> ScaleResult:
+                 opts: PlanOptions = PlanOptions(), counts: str = "expected",
+                 seed: int = 0) -> ScaleResult:
     """Tokens/s of each placement kind for `trace [T, L, N_trace]` served by `shape` on
     `num_gpus` GPUs with `num_slots` slots per layer (see the module docstring).
 
@@ -214,7 +231,11 @@ def scale_replay(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots:
     time is spread (default 1000, SGLang's default rebalance period). Nodes are groups of `link.gpus_per_node`
     GPUs; the policies see them (and the model's expert groups when they fit the nodes).
     `progress()` is called after each scored step of each placement. `opts`: the runtime
-    settings the policies replay with (also those `planned` was made with, when given)."""
+    settings the policies replay with (also those `planned` was made with, when given).
+    `counts`: how a step's token counts are drawn (`COUNTS`); Poisson draws come from a
+    generator seeded with (`seed`, step), the same for every placement kind."""
+    if counts not in COUNTS:
+        raise ValueError(f"counts must be one of {', '.join(COUNTS)}, got {counts!r}")
     M, P = positive_int(num_gpus, "num_gpus"), positive_int(num_slots, "num_slots")
     tokens_per_gpu = positive_int(tokens_per_gpu, "tokens_per_gpu")
     serving_steps = positive_int(serving_steps, "serving_steps")
@@ -242,9 +263,10 @@ def scale_replay(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots:
                 spent = 0.0
             per_step_move = spent / serving_steps * interval / (b.end - b.start)  # per serving step
             for t in range(b.start, b.end):
-                counts = slot_counts(shares[t], b.placement, choices)  # [L, M, S]
-                gpu_s = np.asarray(cost(shape, counts), dtype=np.float64)  # [L, M]
-                ex = 2 * exchange_seconds(counts.sum(-1), shape, link)  # [L] dispatch + combine
+                rng = np.random.default_rng((seed, t)) if counts == "poisson" else None
+                c = slot_counts(shares[t], b.placement, choices, rng)  # [L, M, S]
+                gpu_s = np.asarray(cost(shape, c), dtype=np.float64)  # [L, M]
+                ex = 2 * exchange_seconds(c.sum(-1), shape, link)  # [L] dispatch + combine
                 comp = gpu_s.max(-1)  # [L]
                 layer_t.append((comp + ex).mean())
                 comp_t.append(comp.mean())
@@ -268,7 +290,7 @@ def scale_replay(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots:
               "experts": N, "top_k": shape.top_k, "moe_layers": shape.num_moe_layers,
               "trace_steps": T, "layers_replayed": L, "num_gpus": M, "num_slots": P,
               "nodes": nodes, "groups": groups, "tokens_per_gpu": tokens_per_gpu, "window": window,
-              "interval": interval, "serving_steps": serving_steps, "min_gain": min_gain, "scored_steps": T - interval,
+              "interval": interval, "serving_steps": serving_steps, "counts": counts, "min_gain": min_gain, "scored_steps": T - interval,
               "plan_options": replace(opts, min_gain=min_gain).to_dict(),
               "link": {"gpus_per_node": link.gpus_per_node, "intra_GBps": link.intra_GBps,
                        "inter_GBps": link.inter_GBps,

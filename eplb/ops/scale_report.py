@@ -18,8 +18,8 @@ from typing import Sequence
 import numpy as np
 
 from eplb.core.cost_model import MODEL_PRESETS, TOKEN_PRESETS, AnalyticCost, LinkModel, ModelShape
-from eplb.core.planning import check_read_tokens
-from eplb.core.scale import PLACEMENTS, PlanOptions, ScaleResult, plan_scale, plans_per_kind, scale_replay
+from eplb.core.planning import check_dispatch_tokens, check_read_tokens
+from eplb.core.scale import COUNTS, PLACEMENTS, PlanOptions, ScaleResult, plan_scale, plans_per_kind, scale_replay
 from eplb.ops.plots import plot_scale
 
 
@@ -57,6 +57,10 @@ def add_cost_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--serving-steps", type=int, default=1000,
                    help="model steps one rebalance interval stands for; a rebalance's time is spread "
                         "over them (default 1000)")
+    g.add_argument("--counts", choices=COUNTS, default="expected",
+                   help="a step's token counts per slot: the expected counts, rounded (default), or "
+                        "Poisson draws of them (decode: a cold slot is sometimes empty, sometimes reads "
+                        "its weights)")
     g.add_argument("--tflops", type=float, default=AnalyticCost.tflops, help="analytic: bf16 TFLOP/s")
     g.add_argument("--hbm-tbps", type=float, default=AnalyticCost.hbm_TBps, help="analytic: HBM TB/s")
 
@@ -127,12 +131,13 @@ def run_cost(a: argparse.Namespace, trace: np.ndarray, source: str) -> int:
                      a.hbm_tbps)
     opts = PlanOptions(move_tolerance=a.move_tolerance, weighted=a.weighted_replicas,
                        decay=a.load_decay, min_gain=a.min_gain, shift_threshold=a.shift_threshold,
-                       read_tokens=check_read_tokens(a.read_tokens, "--read-tokens"))
+                       read_tokens=check_read_tokens(a.read_tokens, "--read-tokens"),
+                       dispatch_tokens=check_dispatch_tokens(a.dispatch_tokens, "--dispatch-tokens"))
     print(f"eplb simulate --cost {a.cost}: {source}: {T} steps x {L} layers x {Nt} experts as "
           f"{shape.name} (H {shape.hidden}, I {shape.intermediate}, N {shape.num_experts}, "
           f"top-{shape.top_k}, {shape.num_moe_layers} MoE layers); {tokens} tokens/GPU/step; window "
           f"{a.window_size}, interval {a.rebalance_interval} (= {a.serving_steps} model steps); "
-          f"{plan_options_text(opts)}")
+          f"{a.counts} counts; {plan_options_text(opts)}")
     # one bar for the whole run: every scheduled plan (the slow part), then every scored step
     planned_kinds = sum(k not in ("static",) for k in placements)
     n_plans = plans_per_kind(T, a.rebalance_interval) * planned_kinds
@@ -149,7 +154,7 @@ def run_cost(a: argparse.Namespace, trace: np.ndarray, source: str) -> int:
         bar.update(0, suffix=f"EP {M}: scoring")
         res = scale_replay(trace, shape, M, P, tokens, a.window_size, a.rebalance_interval, cost, link,
                            placements, a.serving_steps, a.min_gain, planned=planned,
-                           progress=bar.update, opts=opts)
+                           progress=bar.update, opts=opts, counts=a.counts)
         results.append(res)
         bar.write(format_scale_table([res]))
     bar.close()
@@ -178,7 +183,7 @@ def plan_options_text(opts: PlanOptions) -> str:
             f"{'on' if opts.weighted else 'off'}, load decay {opts.decay:g}, min gain "
             f"{opts.min_gain:g}, shift threshold {opts.shift_threshold:g}"
             f"{' (off)' if opts.shift_threshold == 0 else ''}"
-            f"{f', read tokens {opts.read_tokens:g}' if opts.read_tokens > 0 else ''}")
+            f"{f', read tokens {opts.read_tokens:g} (dispatch tokens {opts.dispatch_tokens:g})' if opts.read_tokens > 0 else ''}")
 
 
 def format_scale_table(results: Sequence[ScaleResult]) -> str:

@@ -33,6 +33,8 @@ def run_simulate(a: argparse.Namespace) -> int:
         raise ValueError("--num-gpus lists several EP sizes only with --cost")
     if a.read_tokens:
         raise ValueError("--read-tokens needs --cost (the tokens per step come from --tokens-per-gpu)")
+    if a.counts != "expected":
+        raise ValueError("--counts needs --cost (without it there are no token counts, only loads)")
     if a.num_slots is None:
         raise ValueError("--num-slots is required (without --cost)")
     a.num_gpus = a.num_gpus[0]

@@ -12,6 +12,10 @@ from eplb.core.placement import Placement
 
 
 DEFAULT_MOVE_TOLERANCE = 0.03  # the same default as EplbConfig.move_tolerance (see there)
+# decode-aware packing: what one more token on the busiest GPU costs in its dispatch and
+# combine, in tokens of expert work (see eplb.core.policy.balanced.reads; measured in
+# benchmarks/README.md, issue 29, "Target 3")
+DEFAULT_DISPATCH_TOKENS = 40.0
 
 
 @dataclass(frozen=True)
@@ -22,6 +26,7 @@ class PolicyOptions:
     weighted: bool = False  # return (physical_to_logical, shares) with per-slot shares
     read_tokens: float = 0.0  # decode-aware packing: a weight read costs this many tokens (0 = off)
     step_choices: float = 0.0  # token-expert choices per step and layer (what read_tokens is set against)
+    dispatch_tokens: float = DEFAULT_DISPATCH_TOKENS  # decode-aware packing: a token more on the busiest GPU's all-to-all
 
 
 class PolicyFn(Protocol):

@@ -130,6 +130,7 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
             rows = k if hierarchical else 1
             p2l = spread_reads(w, p2l.reshape(L * rows, P // rows), M // rows,
                                float(options.step_choices), reads, rows,
-                               min_gain=tol if prev is not None else 0.0).reshape(L, P)
+                               min_gain=tol if prev is not None else 0.0,
+                               dispatch_tokens=float(options.dispatch_tokens)).reshape(L, P)
         return p2l
     return plan_shares(w, p2l, M, k, hierarchical, prev, tol)

@@ -11,25 +11,31 @@ In token units, a slot with an expected `lam` tokens per step (Poisson) costs
 
     lam + read_tokens * (1 - exp(-lam))      # tokens, plus a read when it is not empty
 
-and this pass balances that per-GPU sum by pair exchanges (`pairs.improve_pairs`;
-replica counts and node locality do not change). A row keeps the result only when its
-largest GPU cost falls by more than `min_gain` (relative): each exchange is two copies.
-When every slot expects at least `WARM_TOKENS` tokens per step the read term is the same
-on every GPU (every slot reads) and the pass does nothing.
+and this pass lowers the largest per-GPU sum of that cost by swapping slots between the
+costliest GPU and the others, one pair of slots at a time. Replica counts and node
+locality do not change. A GPU's tokens also set its share of the dispatch and combine
+all-to-all, which reads do not enter: raising the row's busiest GPU tokens by one costs
+`dispatch_tokens` (inf: the pass never raises them), so the pass does not make the
+exchange slower by more than it makes the GEMMs faster. Before the pass the plan
+balances tokens, so the busiest GPU's tokens are close to the mean and cold slots (few
+tokens each) can swap without raising them. A row keeps the result only when this
+objective (`objective`) falls by more than `min_gain` (relative): each swap is two
+copies. When every slot expects at least `WARM_TOKENS` tokens per step the read term is
+the same on every GPU (every slot reads) and the pass does nothing.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from eplb.core.policy.balanced.pairs import improve_pairs
-from eplb.core.policy.balanced.rows import counts_of, gpu_sums, slot_loads
+from eplb.core.policy.balanced.rows import REL_EPS, counts_of, gpu_sums, presence
 
 WARM_TOKENS = 8.0  # a slot expecting this many tokens per step is empty with p < 0.04%
-READ_ITERS = 40  # pair-exchange iterations of the pass
+READ_ITERS = 200  # most swaps per row (the search stops earlier when no swap gains)
 
 
 def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, read_tokens: float,
-                 rows_per_layer: int = 1, min_gain: float = 0.0) -> np.ndarray:
+                 rows_per_layer: int = 1, min_gain: float = 0.0,
+                 dispatch_tokens: float = np.inf) -> np.ndarray:
     """The decode-aware pass over a plan.
 
     w [L, n] loads of each layer; p2l [L * rows_per_layer, p] the plan's rows (with nodes:
@@ -48,12 +54,90 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     if not cold.any():
         return p2l
     rows = np.nonzero(cold)[0]
-    # per-expert cost weights whose per-slot value (weight / count) is the slot's cost
-    cost_w = c[rows] * (lam[rows] + read_tokens * -np.expm1(-lam[rows]))  # [R', n]
-    before = gpu_sums(slot_loads(cost_w, p2l[rows], c[rows]), m).max(1)  # [R']
-    new = improve_pairs(cost_w, p2l[rows], m, READ_ITERS)  # [R', p]
-    after = gpu_sums(slot_loads(cost_w, new, c[rows]), m).max(1)
+    lam = lam[rows]
+    cost = lam + read_tokens * -np.expm1(-lam)  # [R', n] per slot of each expert
+    new = swap_down(cost, lam, p2l[rows], m, n, READ_ITERS, dispatch_tokens)  # [R', p]
+    before = objective(cost, lam, p2l[rows], m, dispatch_tokens)  # [R']
+    after = objective(cost, lam, new, m, dispatch_tokens, p2l[rows])
     keep = after < before * (1.0 - min_gain)
     out = p2l.copy()
     out[rows[keep]] = new[keep]
     return out
+
+
+def objective(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int,
+              dispatch_tokens: float, base: np.ndarray | None = None) -> np.ndarray:
+    """[R] what the pass lowers: the largest per-GPU cost of the rows `p2l [R, p]`, plus
+    `dispatch_tokens` x how far their busiest GPU's tokens exceed those of `base` (the
+    plan before the pass; inf when they exceed them and dispatch_tokens is inf)."""
+    r = np.arange(p2l.shape[0])[:, None]
+    out = gpu_sums(cost[r, p2l], m).max(1)
+    if base is None:
+        return out
+    rise = gpu_sums(tokens[r, p2l], m).max(1) - gpu_sums(tokens[r, base], m).max(1) * (1 + REL_EPS)
+    if np.isinf(dispatch_tokens):
+        return np.where(rise > 0, np.inf, out)
+    return out + dispatch_tokens * np.maximum(rise, 0.0)
+
+
+def swap_down(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int, n: int,
+              iters: int, dispatch_tokens: float = np.inf) -> np.ndarray:
+    """Greedy swaps that lower every row's largest per-GPU cost, all rows at once.
+
+    cost [R, n], tokens [R, n]: one slot's cost and tokens per expert; p2l [R, p]. Each
+    iteration takes the costliest GPU h of every row and applies the one swap of a slot
+    of h with a slot of another GPU g that gives the lowest max(cost h, cost g), among
+    swaps that lower h's cost, put no expert twice on a GPU and keep both GPUs' tokens
+    at most the row's largest GPU tokens so far (`cap`); with a finite `dispatch_tokens`
+    a swap may raise the cap, at that price per token. Stops when no row gains."""
+    R, p = p2l.shape
+    s = p // m
+    if R == 0 or s == 0:
+        return p2l
+    p2l = p2l.copy()
+    r = np.arange(R)
+    x = cost[r[:, None], p2l].reshape(R, m, s)  # [R, m, s] cost per slot
+    t = tokens[r[:, None], p2l].reshape(R, m, s)  # [R, m, s] tokens per slot
+    load, tok = x.sum(2), t.sum(2)  # [R, m]
+    cap = tok.max(1) * (1 + REL_EPS)  # [R] no GPU may end above the busiest GPU's tokens
+    eps = REL_EPS * np.maximum(load.mean(1), 1e-300)  # [R]
+    on = presence(p2l, m, n)  # [R, m, n]
+    e3 = p2l.reshape(R, m, s)  # [R, m, s] a view: swaps below update p2l
+    for _ in range(iters):
+        h = load.argmax(1)  # [R] costliest GPU
+        xh, th, eh = x[r, h], t[r, h], e3[r, h]  # [R, s]
+        d_cost = xh[:, None, :, None] - x[:, :, None, :]  # [R, m, s_h, s_g] cost h sheds
+        d_tok = th[:, None, :, None] - t[:, :, None, :]
+        new_h = load[r, h][:, None, None, None] - d_cost
+        new_g = load[:, :, None, None] + d_cost
+        ok = (d_cost > eps[:, None, None, None])  # h gets cheaper
+        top = np.maximum(tok[r, h][:, None, None, None] - d_tok, tok[:, :, None, None] + d_tok)
+        if np.isinf(dispatch_tokens):
+            ok &= top <= cap[:, None, None, None]
+            pen = 0.0
+        else:  # the row's largest GPU tokens may rise, at dispatch_tokens per token
+            pen = dispatch_tokens * np.maximum(top - cap[:, None, None, None], 0.0)
+        ok &= ~on[r[:, None, None], np.arange(m)[None, :, None], eh[:, None, :]][..., None]  # h's expert not on g
+        ok &= ~on[r[:, None, None], h[:, None, None], e3][:, :, None, :]  # g's expert not on h
+        ok[r, h] = False  # not with itself
+        score = np.where(ok, np.maximum(new_h, new_g) + pen, np.inf).reshape(R, -1)  # [R, m * s * s]
+        best = score.argmin(1)  # [R] first of the ties: deterministic
+        gain = score[r, best] < load[r, h] - eps
+        if not gain.any():
+            break
+        rr = r[gain]
+        g, rest = np.divmod(best[gain], s * s)
+        u, v = np.divmod(rest, s)  # slot u of h, slot v of g
+        hh = h[gain]
+        a, b = e3[rr, hh, u].copy(), e3[rr, g, v].copy()  # experts
+        on[rr, hh, a], on[rr, g, b] = False, False
+        on[rr, hh, b], on[rr, g, a] = True, True
+        e3[rr, hh, u], e3[rr, g, v] = b, a
+        xa, xb, ta, tb = x[rr, hh, u].copy(), x[rr, g, v].copy(), t[rr, hh, u].copy(), t[rr, g, v].copy()
+        x[rr, hh, u], x[rr, g, v], t[rr, hh, u], t[rr, g, v] = xb, xa, tb, ta
+        load[rr, hh] += xb - xa
+        load[rr, g] += xa - xb
+        tok[rr, hh] += tb - ta
+        tok[rr, g] += ta - tb
+        cap[rr] = np.maximum(cap[rr], np.maximum(tok[rr, hh], tok[rr, g]))
+    return p2l
