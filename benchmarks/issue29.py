@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eplb.core.placement import Placement  # noqa: E402
 from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD  # noqa: E402
 from eplb.core.cost_model import MODEL_PRESETS, TOKEN_PRESETS, LinkModel  # noqa: E402
-from eplb.core.scale import PlanOptions, plan_scale, scale_replay, topology  # noqa: E402
+from eplb.core.scale import COUNTS, PlanOptions, plan_scale, scale_replay, topology  # noqa: E402
 from eplb.core.simulate import Block, RebalanceRecord  # noqa: E402
 from eplb.core.transfer_plan import transfer_stats  # noqa: E402
 from eplb.ops.scale_report import make_cost  # noqa: E402
@@ -182,10 +182,11 @@ def _plan_job(args) -> str:
     return f"planned {model} {name} EP {M} in {time.perf_counter() - t0:.1f} s"
 
 
-def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path | None = None) -> dict:
+def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path | None = None,
+        counts: str = "expected") -> dict:
     link = LinkModel()
     doc = {"date": datetime.date.today().isoformat(), "cost": cost_kind, "shift_threshold": shift,
-           "rows": []}
+           "counts": counts, "rows": []}
     out.mkdir(parents=True, exist_ok=True)
     costs = {}
     for model, name, M in configs(eps, models, names):
@@ -204,7 +205,7 @@ def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path
         for preset, tokens in TOKEN_PRESETS.items():
             res = {label: scale_replay(trace, shape, M, P, tokens, WINDOW, INTERVAL,
                                        costs[model][preset], link, planned=pl,
-                                       opts=PlanOptions(shift_threshold=thr))
+                                       opts=PlanOptions(shift_threshold=thr), counts=counts)
                    for (label, pl), thr in zip(variants.items(), (shift, 0.0))}
             r, r0 = res["shift"].rows, res["noshift"].rows
             tps = {k: v.tokens_per_s for k, v in r.items()}
@@ -251,6 +252,8 @@ def main() -> None:
     ap.add_argument("--plans", type=Path, default=None, help="cache of the plans (npz per configuration)")
     ap.add_argument("--plan-only", action="store_true", help="fill --plans and stop (no cost replay)")
     ap.add_argument("--jobs", type=int, default=1, help="--plan-only: planning processes")
+    ap.add_argument("--counts", choices=COUNTS, default="expected",
+                    help="token counts per step: expected (rounded) or Poisson draws (eplb.core.scale)")
     ap.add_argument("--shared", type=Path, default=SHARED, help=f"the shared traces' npy folder (default {SHARED})")
     a = ap.parse_args()
     SHARED_DIR[0] = a.shared
@@ -267,7 +270,7 @@ def main() -> None:
         return
     if a.out is None:
         ap.error("--out is required (unless --plan-only)")
-    run(a.cost, a.out, a.shift_threshold, eps, models, names, a.plans)
+    run(a.cost, a.out, a.shift_threshold, eps, models, names, a.plans, a.counts)
 
 
 if __name__ == "__main__":

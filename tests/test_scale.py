@@ -234,8 +234,8 @@ def test_cli_cost_honours_the_runtime_settings_and_prints_ratios(tmp_path, capsy
         in outs[0].splitlines()[0]
     opts = docs[1]["results"][0]["config"]["plan_options"]
     assert opts == {"move_tolerance": 0.5, "weighted": True, "decay": 0.5, "min_gain": 0.0,
-                    "shift_threshold": 0.0, "read_tokens": 0.0, "step_choices": 0.0,
-                    "dispatch_tokens": 40.0}
+                    "shift_threshold": 0.0, "read_tokens": 100.0, "step_choices": 2 * 64 * 2.0,
+                    "dispatch_tokens": 40.0}  # reads: EplbConfig's, set against EP 2's choices
     # the settings change what default does
     a, b = (d["results"][1]["rows"] for d in docs)
     assert a["default"]["tokens_per_s"] != b["default"]["tokens_per_s"]
@@ -395,23 +395,29 @@ def test_cli_read_tokens_reaches_the_plans(tmp_path, capsys):
             "--window-size", "2", "--rebalance-interval", "2", "--gpus-per-node", "8",
             "--tokens-per-gpu", "4", "--min-gain", "0", "--placements", "default"]
     docs, outs = [], []
-    for extra in ([], ["--read-tokens", "50"]):
+    for extra in (["--read-tokens", "0"], ["--read-tokens", "50"], []):
         out = tmp_path / f"r{len(docs)}.json"
         code, stdout, err = run_main(base + extra + ["--json", str(out)], capsys)
         assert code == 0, err
         docs.append(json.loads(out.read_text()))
         outs.append(stdout)
+    assert "read tokens 0 (off)" in outs[0].splitlines()[0]
     assert "read tokens 50 (dispatch tokens 40)" in outs[1].splitlines()[0]
-    assert "read tokens" not in outs[0].splitlines()[0]
+    # without the flag: EplbConfig's, what the runtime plans with
+    from eplb.core.config import EplbConfig
+    assert (f"read tokens {EplbConfig.read_tokens:g} (dispatch tokens {EplbConfig.dispatch_tokens:g})"
+            in outs[2].splitlines()[0])
+    assert docs[2]["results"][0]["config"]["plan_options"]["read_tokens"] == EplbConfig.read_tokens
     for r, M in zip(docs[1]["results"], (4, 8)):
         assert r["config"]["plan_options"]["read_tokens"] == 50.0
         assert r["config"]["plan_options"]["step_choices"] == M * 4 * 2  # GPUs x tokens x top-k
     a = [r["rows"]["default"]["tokens_per_s"] for r in docs[0]["results"]]
     b = [r["rows"]["default"]["tokens_per_s"] for r in docs[1]["results"]]
     assert a != b
-    code, _, err = run_main(["simulate", str(trace), "--window-size", "2", "--rebalance-interval", "2",
-                             "--num-gpus", "4", "--num-slots", "36", "--read-tokens", "50"], capsys)
-    assert code != 0 and "--read-tokens needs --cost" in err
+    for flag in ("--read-tokens", "--dispatch-tokens"):
+        code, _, err = run_main(["simulate", str(trace), "--window-size", "2", "--rebalance-interval", "2",
+                                 "--num-gpus", "4", "--num-slots", "36", flag, "50"], capsys)
+        assert code != 0 and f"{flag} needs --cost" in err
     code, _, err = run_main(base + ["--read-tokens", "-1"], capsys)
     assert code != 0 and "--read-tokens must be a finite number >= 0" in err
     code, _, err = run_main(base + ["--read-tokens", "50", "--dispatch-tokens", "-1"], capsys)
@@ -477,3 +483,19 @@ def test_cli_counts_reaches_the_replay(tmp_path, capsys):
     code, _, err = run_main(["simulate", str(trace), "--window-size", "2", "--rebalance-interval", "2",
                              "--num-gpus", "4", "--num-slots", "20", "--counts", "poisson"], capsys)
     assert code != 0 and "--counts needs --cost" in err
+
+
+def test_scale_replay_sets_reads_against_its_own_tokens_per_step():
+    """`read_tokens` without `step_choices`: a replay that plans by itself sets the reads
+    against its own choices per step (GPUs x tokens x top-k), the same plans as given them."""
+    from eplb.core.scale import PlanOptions
+
+    shape = ModelShape("c", 64, 32, 16, 2, 1, 10)
+    rng = np.random.default_rng(7)
+    trace = rng.lognormal(0.0, 3.0, size=(8, 2, 16)) + 1e-3  # many cold experts
+    kw = dict(window=2, interval=2, cost=AnalyticCost(), link=LinkModel(gpus_per_node=4),
+              placements=("static", "default"))
+    auto = scale_replay(trace, shape, 4, 20, 2, opts=PlanOptions(read_tokens=50.0), **kw)
+    given = scale_replay(trace, shape, 4, 20, 2, opts=PlanOptions(read_tokens=50.0, step_choices=4 * 2 * 2.0), **kw)
+    assert auto.config["plan_options"]["step_choices"] == 16.0
+    assert auto.rows["default"].step_ms == given.rows["default"].step_ms

@@ -10,7 +10,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
+from eplb.core.policy.base import DEFAULT_DISPATCH_TOKENS, DEFAULT_MOVE_TOLERANCE, DEFAULT_READ_TOKENS
 from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD
 
 TRANSPORTS = ("nccl", "ipc", "auto")
@@ -65,6 +65,20 @@ class EplbConfig:
     `control_interval` steps may start one early rebalance between two other rebalances
     (bounded rate: at most one per `rebalance_interval`). 0 = off: the schedule alone,
     with `move_tolerance` always. Measured in benchmarks/README.md (issue 29)."""
+    read_tokens: float = DEFAULT_READ_TOKENS
+    """Decode-aware packing (`eplb.core.policy.balanced.reads`): a slot that gets at least
+    one token in a step reads its expert's weights once, which costs as much as this many
+    tokens of expert work. With few tokens per step (decode) cold experts' slots are often
+    empty, and the planner spreads them so that no GPU reads more weights than it must;
+    the tokens per step come from the recorded window (its load over its steps). When
+    every slot expects at least 8 tokens per step (prefill, large batches) nothing
+    changes. 0 = off (balance tokens only). Measured in benchmarks/README.md (issue 29,
+    target 3)."""
+    dispatch_tokens: float = DEFAULT_DISPATCH_TOKENS
+    """Decode-aware packing: one more token on the GPU that receives the most costs this
+    many tokens of expert work in its dispatch and combine all-to-all, so the planner
+    does not spread reads at the price of a slower exchange (inf: the busiest GPU's
+    tokens never rise). Measured with `read_tokens` (benchmarks/README.md, issue 29)."""
     zero_load_warn_steps: int = 100
     """At this step, warn once (rank 0) if no rank recorded any load in its window yet:
     the model is not adding the tokens each slot receives into `expert_load_view`
@@ -114,7 +128,8 @@ class EplbConfig:
     def verify(self, num_logical_experts: int, num_gpus: int,
                num_physical_experts: int | None = None) -> "EplbConfig":
         """Check against the model and the EP group; return the config with resolved values."""
-        from eplb.core.planning import check_min_gain, check_move_tolerance
+        from eplb.core.planning import (check_dispatch_tokens, check_min_gain, check_move_tolerance,
+                                        check_read_tokens)
         from eplb.core.policy.registry import available_policies
 
         N, M = num_logical_experts, num_gpus
@@ -151,6 +166,8 @@ class EplbConfig:
         check_move_tolerance(self.move_tolerance)
         check_min_gain(self.min_gain)
         check_min_gain(self.shift_threshold, "shift_threshold")
+        check_read_tokens(self.read_tokens)
+        check_dispatch_tokens(self.dispatch_tokens)
         if (isinstance(self.zero_load_warn_steps, bool) or not isinstance(self.zero_load_warn_steps, int)
                 or self.zero_load_warn_steps < 0):
             raise ValueError(f"zero_load_warn_steps must be an int >= 0 (0 = never warn), "

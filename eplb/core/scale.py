@@ -155,8 +155,10 @@ class PlanOptions:
     decay: float = 1.0  # load_decay of the window
     min_gain: float = 0.0
     shift_threshold: float = DEFAULT_SHIFT_THRESHOLD  # 0 = no shift-aware rebalancing
-    read_tokens: float = 0.0  # decode-aware packing: tokens a weight read costs (0 = off)
-    step_choices: float = 0.0  # token-expert choices per step and layer the plans assume
+    # decode-aware packing: tokens a weight read costs (0 = off; EplbConfig's default is on,
+    # `eplb simulate --cost` replays with it, set against each EP size's choices per step)
+    read_tokens: float = 0.0
+    step_choices: float = 0.0  # token-expert choices per step and layer the plans assume (0: scale_replay's)
     dispatch_tokens: float = DEFAULT_DISPATCH_TOKENS  # a token more on the busiest GPU's all-to-all
 
     def to_dict(self) -> dict:
@@ -240,6 +242,8 @@ def scale_replay(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots:
     tokens_per_gpu = positive_int(tokens_per_gpu, "tokens_per_gpu")
     serving_steps = positive_int(serving_steps, "serving_steps")
     interval = positive_int(interval, "interval")
+    if planned is None and opts.read_tokens > 0 and opts.step_choices == 0:  # this run's tokens
+        opts = replace(opts, step_choices=float(M * tokens_per_gpu * shape.top_k))
     loads, all_blocks = planned if planned is not None else plan_scale(
         trace, shape, M, P, window, interval, link, placements, min_gain, opts)
     T, L, N = loads.shape

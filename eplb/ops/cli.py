@@ -177,7 +177,6 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from eplb.core.config import EplbConfig
-    from eplb.core.policy.base import DEFAULT_DISPATCH_TOKENS
 
     from eplb.ops.demo_args import add_demo_arguments
 
@@ -292,14 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
                                       "plan's predicted balancedness by more than G beyond the noise "
                                       "re-plans with move tolerance 0 and may rebalance early, once per "
                                       f"interval (default {EplbConfig.shift_threshold}, as EplbConfig; 0 = off)")
-    sm.add_argument("--read-tokens", type=_float("--read-tokens"), default=0.0, metavar="R",
+    sm.add_argument("--read-tokens", type=_float("--read-tokens"), default=None, metavar="R",
                     help="with --cost: decode-aware packing, a slot's weight read costs R tokens when "
                          "the slot gets a token in a step (token count from --tokens-per-gpu; "
-                         "default 0 = off; see benchmarks/README.md, issue 29 target 3)")
-    sm.add_argument("--dispatch-tokens", type=_float("--dispatch-tokens"), default=DEFAULT_DISPATCH_TOKENS,
-                    metavar="D", help="with --read-tokens: a token more on the busiest GPU costs D tokens "
-                                      "in its dispatch and combine (inf: the pass never raises it; "
-                                      f"default {DEFAULT_DISPATCH_TOKENS:g})")
+                         f"default {EplbConfig.read_tokens:g}, as EplbConfig; 0 = off)")
+    sm.add_argument("--dispatch-tokens", type=_float("--dispatch-tokens"), default=None,
+                    metavar="D", help="with --cost: a token more on the busiest GPU costs D tokens in "
+                                      "its dispatch and combine (inf: decode-aware packing never "
+                                      f"raises it; default {EplbConfig.dispatch_tokens:g}, as EplbConfig)")
     sm.add_argument("--min-gain", type=_float("--min-gain"), default=EplbConfig.min_gain, metavar="G",
                     help=f"skip a rebalance whose plan raises the window's predicted balancedness "
                          f"by less than G (default {EplbConfig.min_gain}, as EplbConfig; 0 = never)")

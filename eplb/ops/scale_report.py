@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from eplb.core.config import EplbConfig
 from eplb.core.cost_model import MODEL_PRESETS, TOKEN_PRESETS, AnalyticCost, LinkModel, ModelShape
 from eplb.core.planning import check_dispatch_tokens, check_read_tokens
 from eplb.core.scale import COUNTS, PLACEMENTS, PlanOptions, ScaleResult, plan_scale, plans_per_kind, scale_replay
@@ -131,8 +132,11 @@ def run_cost(a: argparse.Namespace, trace: np.ndarray, source: str) -> int:
                      a.hbm_tbps)
     opts = PlanOptions(move_tolerance=a.move_tolerance, weighted=a.weighted_replicas,
                        decay=a.load_decay, min_gain=a.min_gain, shift_threshold=a.shift_threshold,
-                       read_tokens=check_read_tokens(a.read_tokens, "--read-tokens"),
-                       dispatch_tokens=check_dispatch_tokens(a.dispatch_tokens, "--dispatch-tokens"))
+                       read_tokens=check_read_tokens(
+                           EplbConfig.read_tokens if a.read_tokens is None else a.read_tokens, "--read-tokens"),
+                       dispatch_tokens=check_dispatch_tokens(
+                           EplbConfig.dispatch_tokens if a.dispatch_tokens is None else a.dispatch_tokens,
+                           "--dispatch-tokens"))
     print(f"eplb simulate --cost {a.cost}: {source}: {T} steps x {L} layers x {Nt} experts as "
           f"{shape.name} (H {shape.hidden}, I {shape.intermediate}, N {shape.num_experts}, "
           f"top-{shape.top_k}, {shape.num_moe_layers} MoE layers); {tokens} tokens/GPU/step; window "
@@ -183,7 +187,8 @@ def plan_options_text(opts: PlanOptions) -> str:
             f"{'on' if opts.weighted else 'off'}, load decay {opts.decay:g}, min gain "
             f"{opts.min_gain:g}, shift threshold {opts.shift_threshold:g}"
             f"{' (off)' if opts.shift_threshold == 0 else ''}"
-            f"{f', read tokens {opts.read_tokens:g} (dispatch tokens {opts.dispatch_tokens:g})' if opts.read_tokens > 0 else ''}")
+            f", read tokens {opts.read_tokens:g}"
+            f"{f' (dispatch tokens {opts.dispatch_tokens:g})' if opts.read_tokens > 0 else ' (off)'}")
 
 
 def format_scale_table(results: Sequence[ScaleResult]) -> str:

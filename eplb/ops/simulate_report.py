@@ -31,8 +31,9 @@ def run_simulate(a: argparse.Namespace) -> int:
         return run_cost(a, trace, a.trace if a.aggregate == 1 else f"{a.trace} (aggregate {a.aggregate})")
     if len(a.num_gpus) != 1:
         raise ValueError("--num-gpus lists several EP sizes only with --cost")
-    if a.read_tokens:
-        raise ValueError("--read-tokens needs --cost (the tokens per step come from --tokens-per-gpu)")
+    for opt, value in (("--read-tokens", a.read_tokens), ("--dispatch-tokens", a.dispatch_tokens)):
+        if value is not None:
+            raise ValueError(f"{opt} needs --cost (the tokens per step come from --tokens-per-gpu)")
     if a.counts != "expected":
         raise ValueError("--counts needs --cost (without it there are no token counts, only loads)")
     if a.num_slots is None:

@@ -112,15 +112,20 @@ class Rank0Planner:
         return None
 
     def plan_here(self, load: np.ndarray, previous: Placement,
-                  move_tolerance: float | None = None) -> Placement:
+                  move_tolerance: float | None = None, step_choices: float = 0.0) -> Placement:
         """Rank 0's planning call (in the planner process when there is one);
-        `move_tolerance` None: the config's."""
+        `move_tolerance` None: the config's. `step_choices` > 0 (token-expert choices per
+        step and layer of `load`) turns on the config's decode-aware packing
+        (`read_tokens`, `dispatch_tokens`)."""
         fn = self.process.plan if self.process is not None else plan
         c = self.config
         tol = c.move_tolerance if move_tolerance is None else move_tolerance
+        reads = c.read_tokens if step_choices > 0 else 0.0
         return fn(load, self.num_gpus, previous.num_slots, c.num_nodes, self.num_expert_groups,
                   c.policy, previous=previous, move_tolerance=tol,
-                  weighted=c.weighted_replicas)
+                  weighted=c.weighted_replicas, read_tokens=reads,
+                  step_choices=float(step_choices) if reads > 0 else 0.0,
+                  dispatch_tokens=c.dispatch_tokens)
 
     def warm_up(self, previous: Placement) -> None:
         """Plan once on a uniform load, now (rank 0): the first plan of a process pays for
@@ -130,14 +135,14 @@ class Rank0Planner:
             self.plan_here(np.ones((previous.num_layers, previous.num_logical_experts)), previous)
 
     def plan(self, load: np.ndarray, previous: Placement, group,
-             move_tolerance: float | None = None) -> Placement:
-        """Rank 0 plans on `load [L, N]` (with `move_tolerance`, None: the config's); every
-        rank of `group` returns the same placement (a planning error on rank 0 is raised
-        there, RuntimeError on the others)."""
+             move_tolerance: float | None = None, step_choices: float = 0.0) -> Placement:
+        """Rank 0 plans on `load [L, N]` (with `move_tolerance`, None: the config's;
+        `step_choices`: see `plan_here`); every rank of `group` returns the same placement
+        (a planning error on rank 0 is raised there, RuntimeError on the others)."""
         L, P = previous.num_layers, previous.num_slots
 
         def make():
-            planned = self.plan_here(load, previous, move_tolerance)
+            planned = self.plan_here(load, previous, move_tolerance, step_choices)
             return planned.physical_to_logical, planned.shares
 
         try:

@@ -34,7 +34,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
+from eplb.core.policy.base import DEFAULT_DISPATCH_TOKENS, DEFAULT_MOVE_TOLERANCE
 
 log = logging.getLogger("eplb.runtime.planner_process")
 
@@ -129,12 +129,15 @@ class PlannerProcess:
 
     def plan(self, load, num_gpus: int, num_slots: int, num_nodes: int = 1, num_groups: int = 1,
              policy: str = "default", previous=None, *,
-             move_tolerance: float = DEFAULT_MOVE_TOLERANCE, weighted: bool = False):
+             move_tolerance: float = DEFAULT_MOVE_TOLERANCE, weighted: bool = False,
+             read_tokens: float = 0.0, step_choices: float = 0.0,
+             dispatch_tokens: float = DEFAULT_DISPATCH_TOKENS):
         """`eplb.core.planning.plan(...)`, computed in the child; returns a Placement."""
         return self._call(dict(load=np.asarray(load), num_gpus=num_gpus, num_slots=num_slots,
                                num_nodes=num_nodes, num_groups=num_groups, policy=policy,
                                previous=previous, move_tolerance=move_tolerance,
-                               weighted=weighted))
+                               weighted=weighted, read_tokens=read_tokens,
+                               step_choices=step_choices, dispatch_tokens=dispatch_tokens))
 
     def _kill(self) -> None:
         proc, self._proc = self._proc, None

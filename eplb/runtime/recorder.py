@@ -126,6 +126,15 @@ class LoadRecorder:
         gpu = self.gpu_ring.index_select(0, idx).sum(0)  # [L, M] (zeros when n_gpu == 0)
         return logical, gpu
 
+    def window_steps(self, decay: float = 1.0, since_plan: bool = False) -> float:
+        """How many steps `window_load` (same arguments) adds up, decay**age-weighted: its
+        logical sum over this is one step's load (what decode-aware packing sets weight
+        reads against: `EplbConfig.read_tokens`)."""
+        if since_plan:
+            return float(self.steps_since_plan)
+        n = self.fill
+        return float(n) if decay == 1 else float(sum(float(decay) ** k for k in range(n)))
+
     def warm_up(self, group: dist.ProcessGroup | None = None, decay: float = 1.0) -> None:
         """Run `window_load`'s kernels once and record nothing (collective like it). On a
         GPU each kernel's first launch loads its module, which should not happen inside the

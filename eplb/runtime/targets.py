@@ -88,7 +88,8 @@ class RebalanceTargets:
                 self.shift = self.shift.checked(measured, steps, shifted)
             info["shifted"] = shifted
             tol = plan_tolerance(shifted, config.move_tolerance)
-            planned = self.planner.plan(info["load"], placement, plan_group, move_tolerance=tol)
+            planned = self.planner.plan(info["load"], placement, plan_group, move_tolerance=tol,
+                                        step_choices=info["step_choices"])
             # the same decision on every rank: same broadcast plan, same all-reduced load
             move, info["predicted_gain"] = worth_moving(
                 realised(placement), realised(planned), info["load"], config.min_gain)
@@ -125,12 +126,15 @@ class RebalanceTargets:
     def _window_reader(self, info: dict, config: EplbConfig,
                        since_plan: bool = False) -> Callable[[], None]:
         """All-reduce the recorded window now (a collective, on the step loop) and return
-        the function that fills `info` from it on the host: "load" [L, N], "before" [L]
-        and "measured" [L] (shift detection's: the steps since the last plan). In
+        the function that fills `info` from it on the host: "load" [L, N], "before" [L],
+        "measured" [L] (shift detection's: the steps since the last plan) and
+        "step_choices" (token-expert choices per step and layer, what decode-aware
+        packing sets weight reads against: the load over the steps it covers). In
         asynchronous mode that function runs in the rebalance thread, after the
         all-reduce's kernels, so the step loop never waits for the copy."""
         logical, gpu = self.recorder.window_load(self.group, decay=config.load_decay,
                                                  since_plan=since_plan)  # [L, N], [L, M]
+        steps = self.recorder.window_steps(config.load_decay, since_plan)
         recent = gpu  # [L, M]  (one more small all-reduce when it differs)
         if not since_plan and config.shift_threshold:
             recent = self.recorder.window_load(self.group, since_plan=True)[1]
@@ -145,5 +149,6 @@ class RebalanceTargets:
             info["load"] = logical.cpu().numpy().astype(np.float64)  # [L, N]
             info["before"] = balancedness_of_gpu_loads(gpu.cpu().numpy())  # [L]
             info["measured"] = balancedness_of_gpu_loads(recent.cpu().numpy())  # [L]
+            info["step_choices"] = float(info["load"].sum(1).mean()) / steps if steps > 0 else 0.0
 
         return read

@@ -16,6 +16,9 @@ DEFAULT_MOVE_TOLERANCE = 0.03  # the same default as EplbConfig.move_tolerance (
 # combine, in tokens of expert work (see eplb.core.policy.balanced.reads; measured in
 # benchmarks/README.md, issue 29, "Target 3")
 DEFAULT_DISPATCH_TOKENS = 40.0
+# decode-aware packing in the runtime (EplbConfig.read_tokens): a weight read costs this
+# many tokens of expert work (same section of benchmarks/README.md)
+DEFAULT_READ_TOKENS = 100.0
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,8 @@
 
 A GPU's expert work is a grouped GEMM over its local slots. Each slot that gets at least
 one token in a step reads that expert's weights once; in decode (few tokens per step) a
-read costs as much as computing many tokens (on an H200 in bf16, reading an expert's
-weights takes about as long as running 150 tokens through it), and the slots of cold
-experts are often empty. Balancing tokens alone can then give one GPU more non-empty
+read costs as much as computing many tokens, and the slots of cold experts are often
+empty. Balancing tokens alone can then give one GPU more non-empty
 slots than another: it reads more weights and is the slowest (issue 29).
 
 In token units, a slot with an expected `lam` tokens per step (Poisson) costs
@@ -21,7 +20,9 @@ balances tokens, so the busiest GPU's tokens are close to the mean and cold slot
 tokens each) can swap without raising them. A row keeps the result only when this
 objective (`objective`) falls by more than `min_gain` (relative): each swap is two
 copies. When every slot expects at least `WARM_TOKENS` tokens per step the read term is
-the same on every GPU (every slot reads) and the pass does nothing.
+the same on every GPU (every slot reads) and the pass does nothing. The runtime's
+defaults (`EplbConfig.read_tokens`, `dispatch_tokens`) and what they were measured
+against: benchmarks/README.md, "Issue 29, target 3 ... on by default".
 """
 from __future__ import annotations
 
