@@ -32,6 +32,7 @@ from eplb.core.policy.balanced.rows import REL_EPS, counts_of, gpu_sums, presenc
 
 WARM_TOKENS = 8.0  # a slot expecting this many tokens per step is empty with p < 0.04%
 READ_ITERS = 200  # most swaps per row (the search stops earlier when no swap gains)
+SWAP_MIN_GAIN = 1e-4  # a swap must lower the costliest GPU by this fraction of the mean GPU cost
 
 
 def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, read_tokens: float,
@@ -46,19 +47,31 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     if read_tokens <= 0 or step_choices <= 0 or m < 2:
         return p2l
     n = w.shape[1]
-    wr = np.repeat(w, rows_per_layer, axis=0)  # [R, n] every row sees its layer's load
-    total = wr.sum(1, keepdims=True)  # [R, 1] the layer's load
+    R, p = p2l.shape
+    layer = np.arange(R) // rows_per_layer  # [R] the layer of each row
+    total = w.sum(1)[layer]  # [R] the layer's load
     c = counts_of(p2l, n)  # [R, n] replicas in the row
-    share = np.divide(wr, total * np.maximum(c, 1), out=np.zeros_like(wr), where=total > 0)
-    lam = share * step_choices  # [R, n] tokens per step on each replica of an expert
-    cold = ((lam < WARM_TOKENS) & (c > 0)).any(1)  # [R] rows where some slot may be empty
-    if not cold.any():
+    r = np.arange(R)[:, None]
+    per_slot = w[layer[:, None], p2l] / np.maximum(c[r, p2l], 1)  # [R, p] load of each slot
+    lam_s = np.divide(per_slot * step_choices, total[:, None], out=np.zeros_like(per_slot),
+                      where=total[:, None] > 0)  # [R, p] tokens per step on each slot
+    cost_s = lam_s + read_tokens * -np.expm1(-lam_s)  # [R, p]
+    sums = gpu_sums(cost_s, m)  # [R, m]
+    # rows where some slot may be empty; swaps keep a row's total cost, so no GPU ends below
+    # the mean: rows whose costliest GPU is within min_gain of the mean cannot gain enough
+    # (most rows when a plan is in force)
+    cold = (lam_s < WARM_TOKENS).any(1)
+    can = cold & (sums.max(1) * (1.0 - min_gain) > sums.mean(1) * (1.0 + REL_EPS))
+    rows = np.nonzero(can)[0]
+    if rows.size == 0:
         return p2l
-    rows = np.nonzero(cold)[0]
-    lam = lam[rows]
+    wr = w[layer[rows]]  # [R', n]
+    share = np.divide(wr, total[rows, None] * np.maximum(c[rows], 1), out=np.zeros_like(wr),
+                      where=total[rows, None] > 0)
+    lam = share * step_choices  # [R', n] tokens per step on each replica of an expert
     cost = lam + read_tokens * -np.expm1(-lam)  # [R', n] per slot of each expert
-    new = swap_down(cost, lam, p2l[rows], m, n, READ_ITERS, dispatch_tokens)  # [R', p]
     before = objective(cost, lam, p2l[rows], m, dispatch_tokens)  # [R']
+    new = swap_down(cost, lam, p2l[rows], m, n, READ_ITERS, dispatch_tokens)  # [R', p]
     after = objective(cost, lam, new, m, dispatch_tokens, p2l[rows])
     keep = after < before * (1.0 - min_gain)
     out = p2l.copy()
@@ -90,7 +103,9 @@ def swap_down(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int, n: 
     of h with a slot of another GPU g that gives the lowest max(cost h, cost g), among
     swaps that lower h's cost, put no expert twice on a GPU and keep both GPUs' tokens
     at most the row's largest GPU tokens so far (`cap`); with a finite `dispatch_tokens`
-    a swap may raise the cap, at that price per token. Stops when no row gains."""
+    a swap may raise the cap, at that price per token. A swap must gain `SWAP_MIN_GAIN` of
+    the row's mean GPU cost; a row without such a swap is done (nothing else changes it),
+    so each iteration works on the rows still gaining."""
     R, p = p2l.shape
     s = p // m
     if R == 0 or s == 0:
@@ -101,32 +116,41 @@ def swap_down(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int, n: 
     t = tokens[r[:, None], p2l].reshape(R, m, s)  # [R, m, s] tokens per slot
     load, tok = x.sum(2), t.sum(2)  # [R, m]
     cap = tok.max(1) * (1 + REL_EPS)  # [R] no GPU may end above the busiest GPU's tokens
-    eps = REL_EPS * np.maximum(load.mean(1), 1e-300)  # [R]
+    eps = np.maximum(SWAP_MIN_GAIN * load.mean(1), 1e-300)  # [R]
     on = presence(p2l, m, n)  # [R, m, n]
     e3 = p2l.reshape(R, m, s)  # [R, m, s] a view: swaps below update p2l
+    act = r  # rows still gaining
     for _ in range(iters):
-        h = load.argmax(1)  # [R] costliest GPU
-        xh, th, eh = x[r, h], t[r, h], e3[r, h]  # [R, s]
-        d_cost = xh[:, None, :, None] - x[:, :, None, :]  # [R, m, s_h, s_g] cost h sheds
-        d_tok = th[:, None, :, None] - t[:, :, None, :]
-        new_h = load[r, h][:, None, None, None] - d_cost
-        new_g = load[:, :, None, None] + d_cost
-        ok = (d_cost > eps[:, None, None, None])  # h gets cheaper
-        top = np.maximum(tok[r, h][:, None, None, None] - d_tok, tok[:, :, None, None] + d_tok)
+        if act.size == 0:
+            break
+        A = act.size
+        ra = np.arange(A)
+        X, T, E, LD, TK = x[act], t[act], e3[act], load[act], tok[act]  # [A, m, s], [A, m]
+        h = LD.argmax(1)  # [A] costliest GPU
+        xh, th, eh = X[ra, h], T[ra, h], E[ra, h]  # [A, s]
+        d_cost = xh[:, None, :, None] - X[:, :, None, :]  # [A, m, s_h, s_g] cost h sheds
+        d_tok = th[:, None, :, None] - T[:, :, None, :]
+        new_h = LD[ra, h][:, None, None, None] - d_cost
+        new_g = LD[:, :, None, None] + d_cost
+        ok = d_cost > eps[act][:, None, None, None]  # h gets cheaper
+        c4 = cap[act][:, None, None, None]
+        top = np.maximum(TK[ra, h][:, None, None, None] - d_tok, TK[:, :, None, None] + d_tok)
         if np.isinf(dispatch_tokens):
-            ok &= top <= cap[:, None, None, None]
+            ok &= top <= c4
             pen = 0.0
         else:  # the row's largest GPU tokens may rise, at dispatch_tokens per token
-            pen = dispatch_tokens * np.maximum(top - cap[:, None, None, None], 0.0)
-        ok &= ~on[r[:, None, None], np.arange(m)[None, :, None], eh[:, None, :]][..., None]  # h's expert not on g
-        ok &= ~on[r[:, None, None], h[:, None, None], e3][:, :, None, :]  # g's expert not on h
-        ok[r, h] = False  # not with itself
-        score = np.where(ok, np.maximum(new_h, new_g) + pen, np.inf).reshape(R, -1)  # [R, m * s * s]
-        best = score.argmin(1)  # [R] first of the ties: deterministic
-        gain = score[r, best] < load[r, h] - eps
-        if not gain.any():
+            pen = dispatch_tokens * np.maximum(top - c4, 0.0)
+        a3 = act[:, None, None]
+        ok &= ~on[a3, np.arange(m)[None, :, None], eh[:, None, :]][..., None]  # h's expert not on g
+        ok &= ~on[a3, h[:, None, None], E][:, :, None, :]  # g's expert not on h
+        ok[ra, h] = False  # not with itself
+        score = np.where(ok, np.maximum(new_h, new_g) + pen, np.inf).reshape(A, -1)  # [A, m * s * s]
+        best = score.argmin(1)  # [A] first of the ties: deterministic
+        gain = score[ra, best] < LD[ra, h] - eps[act]
+        act = act[gain]  # a row without a gain now never has one: nothing else changes it
+        if act.size == 0:
             break
-        rr = r[gain]
+        rr = act
         g, rest = np.divmod(best[gain], s * s)
         u, v = np.divmod(rest, s)  # slot u of h, slot v of g
         hh = h[gain]
