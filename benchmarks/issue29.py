@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eplb.core.placement import Placement  # noqa: E402
 from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD  # noqa: E402
 from eplb.core.cost_model import MODEL_PRESETS, TOKEN_PRESETS, LinkModel  # noqa: E402
-from eplb.core.scale import COUNTS, PlanOptions, plan_scale, scale_replay, topology  # noqa: E402
+from eplb.core.scale import (COUNTS, DEFAULT_CONTROL_INTERVAL, SERVING_STEPS, PlanOptions,  # noqa: E402
+                             plan_scale, scale_replay, topology)
 from eplb.core.simulate import Block, RebalanceRecord  # noqa: E402
 from eplb.core.transfer_plan import transfer_stats  # noqa: E402
 from eplb.ops.scale_report import make_cost  # noqa: E402
@@ -82,12 +83,16 @@ def synthetic(T: int = 40, L: int = 4, N: int = 256) -> dict[str, np.ndarray]:
     return {k: _sample(v, rng) for k, v in out.items()}
 
 
+def _plan_file(plans: Path, model: str, name: str, M: int, shift: float) -> Path:
+    return plans / f"{model}-{name}-M{M}-shift{shift:g}-ci{CONTROL[0]}.npz"
+
+
 def _plans(model: str, name: str, M: int, shift: float, plans: Path | None):
     """{"shift": (loads, blocks), "noshift": ...} for one model, trace and EP size; read from
     / written to `plans` when given (planning is the CPU part: `--plan-only` fills the cache
     with several processes, a GPU run then only times kernels)."""
     shape = MODEL_PRESETS[model]
-    f = None if plans is None else plans / f"{model}-{name}-M{M}-shift{shift:g}.npz"
+    f = None if plans is None else _plan_file(plans, model, name, M, shift)
     if f is not None and f.exists():
         return _load(f, M, shape)
     loads = _all_loads()[name]
@@ -96,10 +101,17 @@ def _plans(model: str, name: str, M: int, shift: float, plans: Path | None):
     for label, thr in (("shift", shift), ("noshift", 0.0)):
         kinds = KINDS if label == "shift" else ("static", "default")
         out[label] = plan_scale(loads, shape, M, P, WINDOW, INTERVAL, LinkModel(), kinds,
-                                opts=PlanOptions(shift_threshold=thr))
+                                opts=_opts(thr, M, shape))
     if f is not None:
         _save(f, out)
     return out
+
+
+def _opts(threshold: float, M: int, shape) -> PlanOptions:
+    """The plans' settings: shift checks every CONTROL[0] model steps, whose routing noise is
+    that of decode's tokens per step (the noisier preset: one plan serves both presets)."""
+    return PlanOptions(shift_threshold=threshold, control_interval=CONTROL[0],
+                       step_choices=float(M * TOKEN_PRESETS["decode"] * shape.top_k))
 
 
 def _save(f: Path, out: dict) -> None:
@@ -109,6 +121,7 @@ def _save(f: Path, out: dict) -> None:
         for kind, bs in blocks.items():
             k = f"{label}/{kind}"
             arrays[k + "/span"] = np.array([[b.start, b.end] for b in bs])  # [B, 2]
+            arrays[k + "/lead"] = np.array([b.lead for b in bs])  # [B]
             arrays[k + "/p2l"] = np.stack([b.placement.physical_to_logical for b in bs])  # [B, L, P]
             arrays[k + "/prev"] = bs[0].previous.physical_to_logical  # [L, P]
             arrays[k + "/flags"] = np.array([[b.record is not None and b.record.early,
@@ -135,15 +148,16 @@ def _load(f: Path, M: int, shape) -> dict:
             k = f"{label}/{kind}"
             prev = Placement(z[k + "/prev"], N, M, nodes)
             bs = []
-            for (s, e), p2l, sh, w, (early, shifted, skipped) in zip(
-                    z[k + "/span"], z[k + "/p2l"], z[k + "/shares"], z[k + "/weighted"], z[k + "/flags"]):
+            leads = z[k + "/lead"]
+            for (s, e), p2l, sh, w, (early, shifted, skipped), lead in zip(
+                    z[k + "/span"], z[k + "/p2l"], z[k + "/shares"], z[k + "/weighted"], z[k + "/flags"], leads):
                 pl = Placement(p2l, N, M, nodes, kind, sh if w else None)
                 if pl == prev:
                     pl = prev
                 moved = transfer_stats(prev.physical_to_logical, p2l, M).experts_moved
                 rec = None if kind in ("static", "oracle") else RebalanceRecord(
                     int(s), 0, moved, 0, None, 0.0, 0.0, 0.0, bool(skipped), bool(shifted), bool(early))
-                bs.append(Block(int(s), int(e), pl, prev, rec))
+                bs.append(Block(int(s), int(e), pl, prev, rec, float(lead)))
                 prev = pl
             blocks[kind] = bs
         out[label] = (loads, blocks)
@@ -154,6 +168,7 @@ _LOADS: dict = {}
 
 
 SHARED_DIR = [SHARED]  # --shared: where the shared traces are (olmoe is left out without them)
+CONTROL = [DEFAULT_CONTROL_INTERVAL]  # --control-interval: model steps between shift checks
 
 
 def _all_loads() -> dict[str, np.ndarray]:
@@ -186,7 +201,7 @@ def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path
         counts: str = "expected") -> dict:
     link = LinkModel()
     doc = {"date": datetime.date.today().isoformat(), "cost": cost_kind, "shift_threshold": shift,
-           "counts": counts, "rows": []}
+           "control_interval": CONTROL[0], "counts": counts, "rows": []}
     out.mkdir(parents=True, exist_ok=True)
     costs = {}
     for model, name, M in configs(eps, models, names):
@@ -195,7 +210,7 @@ def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path
             costs[model] = {p: make_cost(cost_kind, shape, 1 + shape.num_experts // 8 + 1, t)
                             for p, t in TOKEN_PRESETS.items()}
         P = shape.num_experts + M
-        if plans is not None and not (plans / f"{model}-{name}-M{M}-shift{shift:g}.npz").exists():
+        if plans is not None and not _plan_file(plans, model, name, M, shift).exists():
             print(f"{model} {name} EP {M}: not in {plans} (planning was cut short): left out", flush=True)
             continue
         t0 = time.perf_counter()
@@ -205,7 +220,8 @@ def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path
         for preset, tokens in TOKEN_PRESETS.items():
             res = {label: scale_replay(trace, shape, M, P, tokens, WINDOW, INTERVAL,
                                        costs[model][preset], link, planned=pl,
-                                       opts=PlanOptions(shift_threshold=thr), counts=counts)
+                                       opts=_opts(thr, M, shape),
+                                       counts=counts)
                    for (label, pl), thr in zip(variants.items(), (shift, 0.0))}
             r, r0 = res["shift"].rows, res["noshift"].rows
             tps = {k: v.tokens_per_s for k, v in r.items()}
@@ -255,8 +271,12 @@ def main() -> None:
     ap.add_argument("--counts", choices=COUNTS, default="expected",
                     help="token counts per step: expected (rounded) or Poisson draws (eplb.core.scale)")
     ap.add_argument("--shared", type=Path, default=SHARED, help=f"the shared traces' npy folder (default {SHARED})")
+    ap.add_argument("--control-interval", type=int, default=DEFAULT_CONTROL_INTERVAL,
+                    help=f"model steps between shift checks (default {DEFAULT_CONTROL_INTERVAL}, the runtime's; "
+                         f"{SERVING_STEPS // INTERVAL}: after whole trace steps only; 0: no early rebalances)")
     a = ap.parse_args()
     SHARED_DIR[0] = a.shared
+    CONTROL[0] = a.control_interval
     eps, models, names = [int(x) for x in a.ep.split(",")], a.models.split(","), a.traces.split(",")
     if a.plan_only:
         if a.plans is None:

@@ -230,12 +230,12 @@ def test_cli_cost_honours_the_runtime_settings_and_prints_ratios(tmp_path, capsy
     header = outs[1].splitlines()[0]
     assert ("move tolerance 0.5, weighted replicas on, load decay 0.5, min gain 0, shift threshold 0 (off)"
             in header), header
-    assert "move tolerance 0.03, weighted replicas off, load decay 1, min gain 0, shift threshold 0.05" \
-        in outs[0].splitlines()[0]
+    assert ("move tolerance 0.03, weighted replicas off, load decay 1, min gain 0, shift threshold 0.05 "
+            "(checked every 10 model steps)") in outs[0].splitlines()[0]
     opts = docs[1]["results"][0]["config"]["plan_options"]
     assert opts == {"move_tolerance": 0.5, "weighted": True, "decay": 0.5, "min_gain": 0.0,
                     "shift_threshold": 0.0, "read_tokens": 100.0, "step_choices": 2 * 64 * 2.0,
-                    "dispatch_tokens": 40.0}  # reads: EplbConfig's, set against EP 2's choices
+                    "dispatch_tokens": 40.0, "control_interval": 10}  # reads: EplbConfig's, set against EP 2's choices
     # the settings change what default does
     a, b = (d["results"][1]["rows"] for d in docs)
     assert a["default"]["tokens_per_s"] != b["default"]["tokens_per_s"]
@@ -499,3 +499,91 @@ def test_scale_replay_sets_reads_against_its_own_tokens_per_step():
     given = scale_replay(trace, shape, 4, 20, 2, opts=PlanOptions(read_tokens=50.0, step_choices=4 * 2 * 2.0), **kw)
     assert auto.config["plan_options"]["step_choices"] == 16.0
     assert auto.rows["default"].step_ms == given.rows["default"].step_ms
+
+
+# ---- shift checks within a trace step (issue 29, target 2) ---------------------------------
+def test_check_every_is_the_control_interval_in_trace_steps():
+    from eplb.core.scale import PlanOptions
+
+    assert PlanOptions().control_interval == 10  # EplbConfig's
+    assert PlanOptions(control_interval=10).check_every(4, 1000) == pytest.approx(0.04)
+    assert PlanOptions(control_interval=300).check_every(4, 1000) == 1.0  # at most one per step
+    assert PlanOptions(control_interval=0).check_every(4, 1000) is None  # no early rebalances
+
+
+def test_scale_replay_mixes_a_step_a_rebalance_landed_in():
+    """A block whose rebalance landed half way into its first step: that step costs half
+    the previous placement's layer time and half the new one's (each replayed alone), the
+    other steps the new one's; the move time is the same."""
+    from eplb.core.simulate import Block
+
+    shape = ModelShape("c", 4096, 2048, 16, 2, 1, 10)  # experts of 50 MB: moves count
+    trace = skewed_trace(T=6, L=2, N=16)
+    a = Placement.initial(2, 16, 20, 4)
+    b = Placement(np.roll(a.physical_to_logical, 3, axis=1), 16, 4)
+    kw = dict(window=2, interval=2, cost=AnalyticCost(), link=LinkModel(gpus_per_node=2))
+
+    def run(blocks):
+        return scale_replay(trace, shape, 4, 20, 8, planned=(trace, blocks), **kw).rows
+
+    rows = run({"static": [Block(2, 6, a, a)], "default": [Block(2, 6, b, a)],
+                "default-weighted": [Block(2, 6, b, a, None, 0.5)]})
+    move = rows["default"].rebalance_ms_per_step
+    assert move > 0 and rows["default-weighted"].rebalance_ms_per_step == pytest.approx(move)
+    old, new, mixed = (rows[k].step_ms for k in ("static", "default", "default-weighted"))
+    assert mixed[0] == pytest.approx(0.5 * old[0] + 0.5 * (new[0] - move) + move, rel=1e-3)
+    assert mixed[1:] == new[1:]
+    # a block replaced within its first step (end == start): its move still counts, on the next
+    c = Placement(np.roll(a.physical_to_logical, 5, axis=1), 16, 4)
+    rows = run({"static": [Block(2, 6, a, a)],
+                "default": [Block(2, 2, b, a), Block(2, 6, c, b, None, 0.5)]})
+    r = rows["default"]
+    n = len(r.step_ms)
+    both = move_seconds(a, b, shape, LinkModel(gpus_per_node=2)) + move_seconds(b, c, shape, LinkModel(gpus_per_node=2))
+    assert r.rebalances == 2
+    assert 1e3 * both * shape.num_moe_layers / 2 * 2 / 1000 == pytest.approx(r.rebalance_ms_per_step * n)
+    moves_in_steps = sum(r.step_ms) - n * r.layer_ms * shape.num_moe_layers  # step_ms are rounded to 1e-4
+    assert moves_in_steps == pytest.approx(n * r.rebalance_ms_per_step, abs=n * 1e-4)
+    assert n * r.rebalance_ms_per_step > 0.1  # the moves are visible above the rounding
+
+
+def test_cli_control_interval_reaches_the_replay(tmp_path, capsys):
+    trace = tmp_path / "t.npy"
+    np.save(trace, skewed_trace(T=8, L=2, N=16))
+    base = ["simulate", str(trace), "--cost", "analytic", "--model", "custom", "--hidden", "64",
+            "--intermediate", "32", "--top-k", "2", "--moe-layers", "10", "--num-gpus", "4",
+            "--window-size", "2", "--rebalance-interval", "2", "--gpus-per-node", "2",
+            "--tokens-per-gpu", "2", "--placements", "default"]
+    out = tmp_path / "c.json"
+    code, stdout, err = run_main(base + ["--control-interval", "0", "--json", str(out)], capsys)
+    assert code == 0, err
+    assert "shift threshold 0.05 (no early rebalances: control interval 0)" in stdout.splitlines()[0]
+    assert json.loads(out.read_text())["results"][0]["config"]["plan_options"]["control_interval"] == 0
+    code, _, err = run_main(base + ["--control-interval", "-1"], capsys)
+    assert code != 0 and "--control-interval must be >= 0" in err
+    code, _, err = run_main(["simulate", str(trace), "--window-size", "2", "--rebalance-interval", "2",
+                             "--num-gpus", "4", "--num-slots", "20", "--control-interval", "5"], capsys)
+    assert code != 0 and "--control-interval needs --cost" in err
+
+
+def test_plan_scale_checks_within_steps_and_sets_routing_noise_from_the_tokens():
+    """On a load whose hot experts change at step 4: with the runtime's control interval
+    the early rebalance lands within step 4 (lead > 0); with checks after whole steps only
+    (control interval = model steps per trace step) at step 5; with none, never."""
+    from eplb.core.scale import PlanOptions
+
+    rng = np.random.default_rng(0)
+    hot = [rng.permutation(16) for _ in range(2)]
+    shares = lambda k: np.stack([1.0 / (np.argsort(hot[k]) + 1.0) ** 1.5 for _ in range(2)])  # noqa: E731
+    trace = np.array([shares(0 if t < 4 else 1) * 1e5 for t in range(10)])  # [10, 2, 16]
+    shape = ModelShape("c", 64, 32, 16, 2, 1, 10)
+
+    def early(ci):
+        opts = PlanOptions(control_interval=ci, step_choices=4 * 64 * 2.0)
+        _, blocks = plan_scale(trace, shape, 4, 20, 2, 2, LinkModel(gpus_per_node=4), ("static", "default"),
+                               opts=opts, serving_steps=1000)
+        return [(b.start, b.lead) for b in blocks["default"] if b.record.early]
+
+    assert early(10) == [(4, pytest.approx(0.02))]  # the first check, 10 of 500 model steps
+    assert early(500) == [(5, 0.0)]
+    assert early(0) == []

@@ -60,7 +60,8 @@ class EplbConfig:
     shift_threshold: float = DEFAULT_SHIFT_THRESHOLD
     """Shift-aware rebalancing (`eplb.core.planning.ShiftState`): when the placement in
     force balances the load recorded since the last plan worse than that plan predicted
-    by more than this (in balancedness), beyond the noise seen at earlier rebalances,
+    by more than this (in balancedness), beyond the load's variation seen at earlier
+    rebalances and the routing noise of the tokens checked,
     the load shifted: the next rebalance plans with move tolerance 0, and a check every
     `control_interval` steps may start one early rebalance between two other rebalances
     (bounded rate: at most one per `rebalance_interval`). 0 = off: the schedule alone,

@@ -121,6 +121,22 @@ shifted (see `ShiftState`); 0 turns shift detection off (benchmarks/README.md, i
 NOISE_HISTORY = 3  # gaps of the last checks without a shift that set the noise level
 
 
+def sampling_gap(gpu_loads: np.ndarray) -> float:
+    """How far routing noise alone can lower the balancedness measured on `gpu_loads [L, M]`
+    (token counts, not shares), mean over layers: when loads are close, the busiest of M
+    GPUs holding X tokens overshoots its expectation by about sqrt(2 ln M X) tokens, so the
+    measured balancedness b reads low by up to b sqrt(2 ln M / X). On multinomial draws
+    this bounds the gap at their 97.5th percentile (tests/test_shift.py). Layers without
+    load count 0 (their balancedness is 1 whatever the noise)."""
+    g = np.asarray(gpu_loads, dtype=np.float64)
+    M = g.shape[-1]
+    mx = g.max(-1)  # [L]
+    out = np.zeros(mx.shape)
+    ok = mx > 0
+    out[ok] = g.mean(-1)[ok] / mx[ok] * np.sqrt(2 * np.log(M) / mx[ok])
+    return float(out.mean()) if out.size else 0.0
+
+
 @dataclass(frozen=True)
 class ShiftState:
     """What shift detection remembers between rebalances (pure: every update returns a
@@ -128,37 +144,43 @@ class ShiftState:
     measures what the runtime does.
 
     A gap is `predicted - measured`: the balancedness (mean over layers of mean/max GPU
-    load) the plan in force expected on its own window, minus what it gave on the load
-    recorded since. On a steady load the gap is noise: a plan fits its window a little,
-    more so at high EP and on few steps. `noise` keeps (gap, steps measured) of the last
-    checks that found no shift; their smallest, scaled to the steps of a new check by
-    sqrt(its steps / the new steps) (sampling noise of a sum of k steps falls as
-    1/sqrt(k)), is the gap expected without a shift. A shift is a gap above twice that
-    plus `threshold`. No decision before one gap was measured (nothing to compare to)."""
+    load) the plan in force expected on its own window, minus what it gives on the load
+    recorded since. On a steady load the gap has two parts: the load varying from one
+    window to the next (a plan fits its window a little, more so at high EP), and the
+    routing noise of the tokens measured (`sampling_gap`: large for a check on few
+    tokens, small on many). `noise` keeps the first part, the gap minus its routing
+    noise, of the last checks without a shift; the gap expected on a new check is their
+    smallest plus the new check's routing noise. A shift is a gap above twice that plus
+    `threshold`. The load's variation does not shrink on a short check (the load of a
+    few steps is as far from the window as the load of many), its routing noise does
+    not either: both are counted as they are. No decision before one gap was measured
+    (nothing to compare to)."""
 
     predicted: float | None = None  # what the plan in force expected; None before a plan
-    noise: tuple[tuple[float, int], ...] = ()  # (gap, steps) of the last checks without shift
+    noise: tuple[float, ...] = ()  # gap minus its routing noise, of the last checks without shift
 
-    def expected_gap(self, steps: int) -> float | None:
-        """The gap expected on `steps` steps of a steady load; None before any check."""
+    def expected_gap(self, sampling: float) -> float | None:
+        """The gap expected on a steady load for a check whose routing noise is `sampling`
+        (`sampling_gap` of what it measured); None before any check."""
         if not self.noise:
             return None
-        return float(min(max(g, 0.0) * np.sqrt(k / steps) for g, k in self.noise))
+        return min(max(g, 0.0) for g in self.noise) + float(sampling)
 
-    def shifted(self, measured: float, steps: int, threshold: float = DEFAULT_SHIFT_THRESHOLD) -> bool:
-        """Whether `measured` (balancedness of the placement in force over the last `steps`
-        steps since it was put in force) shows a load shift; threshold 0: never."""
-        if threshold <= 0 or self.predicted is None or steps < 1 or not self.noise:
+    def shifted(self, measured: float, sampling: float, threshold: float = DEFAULT_SHIFT_THRESHOLD) -> bool:
+        """Whether `measured` (balancedness of the placement in force on the load recorded
+        since it was put in force, whose routing noise is `sampling`) shows a load shift;
+        threshold 0: never."""
+        if threshold <= 0 or self.predicted is None or not self.noise:
             return False
-        expected = self.expected_gap(steps)
-        return bool(self.predicted - measured > threshold + 2 * expected)
+        return bool(self.predicted - measured > threshold + 2 * self.expected_gap(sampling))
 
-    def checked(self, measured: float, steps: int, shifted: bool) -> "ShiftState":
+    def checked(self, measured: float, sampling: float, shifted: bool) -> "ShiftState":
         """The state after a check at a scheduled rebalance: a gap without shift joins
-        the noise history (at most NOISE_HISTORY kept)."""
-        if self.predicted is None or shifted or steps < 1:
+        the noise history, less its routing noise (at most NOISE_HISTORY kept). Call it
+        only when load was measured."""
+        if self.predicted is None or shifted:
             return self
-        noise = (self.noise + ((self.predicted - measured, steps),))[-NOISE_HISTORY:]
+        noise = (self.noise + (self.predicted - measured - float(sampling),))[-NOISE_HISTORY:]
         return replace(self, noise=noise)
 
     def planned(self, predicted: float) -> "ShiftState":

@@ -22,6 +22,11 @@ and a rebalance's move time is spread over the `serving_steps` model steps an in
 stands for and added to them (as if serving stopped while weights move: the runtime's
 background move costs less).
 
+Shift detection (`PlanOptions.shift_threshold`) checks every `control_interval` model
+steps, as the runtime: every `control_interval * interval / serving_steps` of a trace
+step. An early rebalance that a check within step t starts serves the rest of t: that
+step's layer times are the mix of the two placements' (`Block.lead`).
+
 tokens/s = M * tokens_per_gpu / (num_moe_layers * mean layer time + rebalance time per
 step). Attention and everything outside the MoE layers are left out: they cost the same
 under every placement, so the gains here are upper bounds of whole-model gains.
@@ -40,10 +45,14 @@ import numpy as np
 
 from eplb.core.cost_model import ExpertCost, LinkModel, ModelShape, exchange_seconds, move_seconds
 from eplb.core.placement import Placement
+from eplb.core.config import EplbConfig
 from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD, check_topology, positive_int
 from eplb.core.policy.base import DEFAULT_DISPATCH_TOKENS, DEFAULT_MOVE_TOLERANCE
 from eplb.core.simulate import (Block, oracle_blocks, rebalance_steps, replay_policy)
 from eplb.core.workload import check_trace
+
+SERVING_STEPS = 1000  # model steps one rebalance interval stands for (SGLang's default period)
+DEFAULT_CONTROL_INTERVAL = EplbConfig.control_interval  # the runtime checks for a shift this often
 
 PLACEMENTS = ("static", "deepseek", "default", "default-weighted", "oracle")
 """static: the start-up placement (slot p holds expert p % N), never rebalanced;
@@ -129,7 +138,8 @@ class ScaleResult:
 
 
 def _blocks(kind: str, trace: np.ndarray, initial: Placement, steps: list[int], window: int,
-            kw: dict, opts: "PlanOptions", progress: Callable[[], None] | None) -> list[Block]:
+            kw: dict, opts: "PlanOptions", progress: Callable[[], None] | None,
+            check_every: float | None, tokens_per_step: float | None) -> list[Block]:
     if kind == "static":
         return [Block(steps[0], trace.shape[0], initial, initial)]
     if kind == "oracle":
@@ -143,7 +153,8 @@ def _blocks(kind: str, trace: np.ndarray, initial: Placement, steps: list[int], 
                               read_tokens=opts.read_tokens, step_choices=opts.step_choices,
                               dispatch_tokens=opts.dispatch_tokens),
                          decay=opts.decay, min_gain=opts.min_gain, progress=progress,
-                         shift_threshold=opts.shift_threshold)
+                         shift_threshold=opts.shift_threshold, check_every=check_every,
+                         tokens_per_step=tokens_per_step)
 
 
 @dataclass(frozen=True)
@@ -158,13 +169,25 @@ class PlanOptions:
     # decode-aware packing: tokens a weight read costs (0 = off; EplbConfig's default is on,
     # `eplb simulate --cost` replays with it, set against each EP size's choices per step)
     read_tokens: float = 0.0
-    step_choices: float = 0.0  # token-expert choices per step and layer the plans assume (0: scale_replay's)
+    # token-expert choices per model step and layer the plans assume (0: scale_replay's; for
+    # plan_scale alone, the trace's counts): reads are set against it, shift checks' noise too
+    step_choices: float = 0.0
     dispatch_tokens: float = DEFAULT_DISPATCH_TOKENS  # a token more on the busiest GPU's all-to-all
+    # model steps between two shift checks (EplbConfig's; 0 = no early rebalances)
+    control_interval: int = DEFAULT_CONTROL_INTERVAL
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("move_tolerance", "weighted", "decay", "min_gain",
                                               "shift_threshold", "read_tokens", "step_choices",
-                                              "dispatch_tokens")}
+                                              "dispatch_tokens", "control_interval")}
+
+    def check_every(self, interval: int, serving_steps: int) -> float | None:
+        """The share of a trace step between two shift checks when an interval of
+        `interval` trace steps stands for `serving_steps` model steps (at most 1: a check
+        after every step); None when `control_interval` is 0 (no early rebalances)."""
+        if self.control_interval == 0:
+            return None
+        return min(1.0, self.control_interval * interval / serving_steps)
 
 
 def plans_per_kind(T: int, interval: int) -> int:
@@ -176,12 +199,14 @@ def plan_scale(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots: i
                window: int, interval: int, link: LinkModel = LinkModel(),
                placements: Sequence[str] = PLACEMENTS, min_gain: float | None = None,
                opts: PlanOptions = PlanOptions(),
-               progress: Callable[[], None] | None = None
+               progress: Callable[[], None] | None = None, serving_steps: int = SERVING_STEPS,
                ) -> tuple[np.ndarray, dict[str, list[Block]]]:
     """The planning half of `scale_replay` (it does not depend on the token count or the
     cost model, so sweeps reuse it): (loads [T, L, N], placement blocks per kind).
     `opts`: the settings the policies replay with (`min_gain`, when given, overrides
-    `opts.min_gain`); `progress()` is called after each plan."""
+    `opts.min_gain`); `progress()` is called after each plan. `serving_steps`: as
+    `scale_replay`'s; with `opts.control_interval` it sets how often within a trace step
+    shift detection checks (`PlanOptions.check_every`)."""
     if min_gain is not None:
         opts = replace(opts, min_gain=min_gain)
     trace = check_trace(trace)
@@ -203,7 +228,10 @@ def plan_scale(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots: i
     steps = rebalance_steps(T, interval, interval)
     initial = Placement.initial(L, N, P, M, nodes)
     kw = dict(num_nodes=nodes, num_groups=groups)
-    return loads, {kind: _blocks(kind, loads, initial, steps, window, kw, opts, progress)
+    serving_steps = positive_int(serving_steps, "serving_steps")
+    every = opts.check_every(interval, serving_steps)
+    per_trace_step = opts.step_choices * serving_steps / interval if opts.step_choices > 0 else None
+    return loads, {kind: _blocks(kind, loads, initial, steps, window, kw, opts, progress, every, per_trace_step)
                    for kind in placements}
 
 
@@ -218,7 +246,7 @@ def topology(shape: ModelShape, num_gpus: int, link: LinkModel) -> tuple[int, in
 def scale_replay(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots: int,
                  tokens_per_gpu: int, window: int, interval: int, cost: ExpertCost,
                  link: LinkModel = LinkModel(), placements: Sequence[str] = PLACEMENTS,
-                 serving_steps: int = 1000, min_gain: float = 0.0,
+                 serving_steps: int = SERVING_STEPS, min_gain: float = 0.0,
                  planned: tuple[np.ndarray, dict[str, list[Block]]] | None = None,
                  progress: Callable[[], None] | None = None,
                  opts: PlanOptions = PlanOptions(), counts: str = "expected",
@@ -242,10 +270,11 @@ def scale_replay(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots:
     tokens_per_gpu = positive_int(tokens_per_gpu, "tokens_per_gpu")
     serving_steps = positive_int(serving_steps, "serving_steps")
     interval = positive_int(interval, "interval")
-    if planned is None and opts.read_tokens > 0 and opts.step_choices == 0:  # this run's tokens
+    if planned is None and opts.step_choices == 0:  # this run's tokens
         opts = replace(opts, step_choices=float(M * tokens_per_gpu * shape.top_k))
     loads, all_blocks = planned if planned is not None else plan_scale(
-        trace, shape, M, P, window, interval, link, placements, min_gain, opts)
+        trace, shape, M, P, window, interval, link, placements, min_gain, opts,
+        serving_steps=serving_steps)
     T, L, N = loads.shape
     nodes, groups = topology(shape, M, link)
     totals = loads.sum(-1, keepdims=True)  # [T, L, 1]
@@ -253,10 +282,17 @@ def scale_replay(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots:
     choices = M * tokens_per_gpu * shape.top_k  # per layer and step
     layer_scale = shape.num_moe_layers / L  # replayed layers stand for the model's
 
+    def layer_times(t: int, placement: Placement) -> np.ndarray:  # [3, L]: slowest GPU, exchange, mean GPU
+        rng = np.random.default_rng((seed, t)) if counts == "poisson" else None
+        c = slot_counts(shares[t], placement, choices, rng)  # [L, M, S]
+        gpu_s = np.asarray(cost(shape, c), dtype=np.float64)  # [L, M]
+        ex = 2 * exchange_seconds(c.sum(-1), shape, link)  # [L] dispatch + combine
+        return np.stack([gpu_s.max(-1), ex, gpu_s.mean(-1)])
+
     rows: dict[str, ScaleRow] = {}
     for kind, blocks in all_blocks.items():
         layer_t, comp_t, exch_t, mean_t, step_ms = [], [], [], [], []
-        rebalance_s, moved, n_rebalances = 0.0, 0, 0
+        rebalance_s, moved, n_rebalances, pending = 0.0, 0, 0, 0.0
         for b in blocks:
             if b.placement is not b.previous and b.placement != b.previous:
                 n_rebalances += 1
@@ -265,17 +301,20 @@ def scale_replay(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots:
                 moved += _experts_moved(b)
             else:
                 spent = 0.0
-            per_step_move = spent / serving_steps * interval / (b.end - b.start)  # per serving step
+            if b.end == b.start:  # replaced within its first step: its moves land on the next block
+                pending += spent
+                continue
+            per_step_move = (spent + pending) / serving_steps * interval / (b.end - b.start)  # per serving step
+            pending = 0.0
             for t in range(b.start, b.end):
-                rng = np.random.default_rng((seed, t)) if counts == "poisson" else None
-                c = slot_counts(shares[t], b.placement, choices, rng)  # [L, M, S]
-                gpu_s = np.asarray(cost(shape, c), dtype=np.float64)  # [L, M]
-                ex = 2 * exchange_seconds(c.sum(-1), shape, link)  # [L] dispatch + combine
-                comp = gpu_s.max(-1)  # [L]
+                times = layer_times(t, b.placement)  # [3, L]
+                if t == b.start and b.lead > 0:  # the rebalance landed within this step
+                    times = b.lead * layer_times(t, b.previous) + (1 - b.lead) * times
+                comp, ex, mean_gpu = times
                 layer_t.append((comp + ex).mean())
                 comp_t.append(comp.mean())
                 exch_t.append(ex.mean())
-                mean_t.append(gpu_s.mean(-1).mean())
+                mean_t.append(mean_gpu.mean())
                 step_ms.append(1e3 * ((comp + ex).mean() * shape.num_moe_layers + per_step_move))
                 if progress:
                     progress()

@@ -33,10 +33,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from eplb.core.placement import Placement
+from eplb.core.placement import Placement, balancedness_of_gpu_loads
 from eplb.core.planning import (DEFAULT_MIN_GAIN, DEFAULT_SHIFT_THRESHOLD, ShiftState, check_min_gain,
                                 check_move_tolerance, check_topology, plan, plan_tolerance, positive_int,
-                                worth_moving)
+                                sampling_gap, worth_moving)
 from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
 from eplb.core.policy.registry import get_policy
 from eplb.core.transfer_plan import transfer_stats
@@ -172,6 +172,25 @@ class Block:
     placement: Placement
     previous: Placement  # the placement in force before `start`
     record: RebalanceRecord | None = None  # None for oracle blocks
+    lead: float = 0.0  # share of step `start` still served by `previous` (a shift check within it)
+
+
+def block_imbalance(trace: np.ndarray, block: Block) -> np.ndarray:  # -> [end - start, L]
+    """max/mean GPU load of the steps `block` serves; its first step is the `lead`-weighted
+    mix of `previous` and `placement` when the rebalance landed within it (the step's time
+    is the slowest GPU's, so the two parts add in proportion)."""
+    out = step_imbalance(trace[block.start:block.end], block.placement)
+    if block.lead > 0:
+        before = step_imbalance(trace[block.start:block.start + 1], block.previous)[0]
+        out[0] = block.lead * before + (1 - block.lead) * out[0]
+    return out
+
+
+def check_points(check_every: float) -> np.ndarray:  # [K]
+    """The fractions of a trace step at which shift checks run when one runs every
+    `check_every` of a step: check_every, 2 check_every, ..., 1."""
+    k = int(np.ceil(1 / check_every - 1e-9))
+    return np.append(np.arange(1, k) * check_every, 1.0)
 
 
 def _replay_blocks(trace: np.ndarray, initial: Placement, steps: Sequence[int],
@@ -196,7 +215,8 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
                   name: str, plan_kwargs: dict, decay: float = 1.0,
                   min_gain: float = DEFAULT_MIN_GAIN, bytes_per_expert: int | None = None,
                   progress: Callable[[], None] | None = None,
-                  shift_threshold: float = 0.0) -> list[Block]:
+                  shift_threshold: float = 0.0, check_every: float | None = 1.0,
+                  tokens_per_step: float | None = None) -> list[Block]:
     """Policy `name` replanning at each of `steps` on the last `window` steps of `trace
     [T, L, N]` with the placement in force as `previous` (out of sample); one Block per
     plan, skipped plans (gain below `min_gain`) keeping the placement in force.
@@ -205,16 +225,31 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
     (`EplbConfig.shift_threshold`, decided by `planning.ShiftState`): at a scheduled
     plan, when the placement in force balances the steps recorded since the last plan
     (at most `window`) worse than that plan predicted, beyond the noise of earlier
-    checks, the plan uses move tolerance 0; and after each step served, the same check on
-    the steps served since the last plan may start one early rebalance per interval
-    (bounded rate), planned with tolerance 0 on those steps only (the load since the
-    shift). 0: the schedule alone."""
+    checks, the plan uses move tolerance 0; and every `check_every` of a step served, the
+    same check on the load served since the last plan may start one early rebalance per
+    interval (bounded rate), planned with tolerance 0 on that load only (the load since the
+    shift). 0: the schedule alone.
+
+    `check_every`: the share of a trace step between two checks, as the runtime checks
+    every `control_interval` model steps and a trace step stands for many (`eplb.core.scale`:
+    `control_interval * interval / serving_steps`). 1 = after each whole step (a trace step
+    is one model step); a check within step u that finds a shift puts the new placement in
+    force for the rest of u (`Block.lead`: the share served before). The part of a step
+    checked counts as that share of the step's load. None: no early rebalances (the
+    runtime's `control_interval` 0), shift-aware scheduled plans only.
+
+    `tokens_per_step`: the token-expert choices per layer one trace step stands for, which
+    set the routing noise of a check (`planning.sampling_gap`); None: the trace's counts
+    are the tokens (a trace recorded step by step)."""
+    if check_every is not None and not 0 < check_every <= 1:
+        raise ValueError(f"check_every must be in (0, 1] (a share of a step) or None, got {check_every!r}")
     M, P = initial.num_gpus, initial.num_slots
     T = trace.shape[0]
-    made: list[tuple[int, Placement, Placement, RebalanceRecord]] = []
+    made: list[tuple[int, Placement, Placement, RebalanceRecord, float]] = []
     current, since, state = initial, 0, ShiftState()
+    points = check_points(check_every) if check_every is not None else np.zeros(0)  # [K]
 
-    def plan_at(s: int, load: np.ndarray, shifted: bool, early: bool) -> None:  # load [L, N]
+    def plan_at(s: int, load: np.ndarray, shifted: bool, early: bool, lead: float = 0.0) -> None:  # load [L, N]
         nonlocal current, since, state
         t0 = time.perf_counter()
         tol = plan_tolerance(shifted, plan_kwargs.get("move_tolerance", DEFAULT_MOVE_TOLERANCE))
@@ -226,31 +261,46 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
         rec = RebalanceRecord(s, st.slots_changed, st.experts_moved, st.local_copies, st.bytes_moved,
                               seconds, float(step_imbalance(load[None], new).mean()), gain, not move,
                               shifted, early)
-        made.append((s, new, current, rec))  # (start, placement, previous, record)
+        made.append((s, new, current, rec, lead))  # (start, placement, previous, record, lead)
         since = s  # checks measure from the last plan on (applied or skipped), as the runtime
         current, state = new, state.planned(np.mean(new.balancedness(load)))
         if progress:
             progress()
 
-    def measured(lo: int, hi: int) -> float:  # the placement in force on steps [lo, hi)
-        return float(np.mean(current.balancedness(trace[lo:hi].sum(0))))
+    def measured(load: np.ndarray, steps: float) -> tuple[float, float]:  # load [L, N] over `steps` steps
+        """(balancedness of the placement in force on `load`, its routing noise)."""
+        gpu = current.gpu_loads(load)  # [L, M]
+        if tokens_per_step is not None:  # as token counts of the model steps it stands for
+            total = load.sum(1, keepdims=True)  # [L, 1]
+            gpu = np.divide(gpu * tokens_per_step * steps, total, out=np.zeros_like(gpu), where=total > 0)
+        return float(np.mean(balancedness_of_gpu_loads(gpu))), sampling_gap(gpu)
+
+    def early_check(s: int, e: int) -> None:  # checks while steps [s, e) are served
+        for u in range(s, e):  # step u being served
+            for frac in points:
+                if frac == 1.0 and u + 1 >= e:
+                    return  # the check after the block's last step is the next scheduled plan's
+                load = trace[s:u].sum(0) + frac * trace[u]  # [L, N] served since the plan
+                if state.shifted(*measured(load, (u - s) + frac), shift_threshold):
+                    if frac == 1.0:  # after the whole step: the next step starts on the new placement
+                        plan_at(u + 1, load, shifted=True, early=True)
+                    else:
+                        plan_at(u, load, shifted=True, early=True, lead=float(frac))
+                    return  # one early rebalance per interval
 
     ends = list(steps[1:]) + [T]
     for s, e in zip(steps, ends):
         shifted = False
         lo = max(since, s - window)
         if shift_threshold > 0 and lo < s:
-            got = measured(lo, s)
-            shifted = state.shifted(got, s - lo, shift_threshold)
-            state = state.checked(got, s - lo, shifted)
+            got, noise = measured(trace[lo:s].sum(0), s - lo)
+            shifted = state.shifted(got, noise, shift_threshold)
+            state = state.checked(got, noise, shifted)
         plan_at(s, window_load(trace, s, window, decay), shifted, early=False)
         if shift_threshold > 0:
-            for t in range(s + 1, e):  # after step t - 1 was served
-                if state.shifted(measured(s, t), t - s, shift_threshold):
-                    plan_at(t, trace[s:t].sum(0), shifted=True, early=True)
-                    break
+            early_check(s, e)
     ends = [m[0] for m in made[1:]] + [T]
-    return [Block(s, e, new, old, rec) for (s, new, old, rec), e in zip(made, ends)]
+    return [Block(s, e, new, old, rec, lead) for (s, new, old, rec, lead), e in zip(made, ends)]
 
 
 def oracle_blocks(trace: np.ndarray, initial: Placement, steps: Sequence[int], name: str,
@@ -355,7 +405,7 @@ def simulate(
                                    min_gain=min_gain, bytes_per_expert=bytes_per_expert,
                                    progress=progress, shift_threshold=shift_threshold):
             res.rebalances.append(block.record)
-            scores[block.start:block.end] = step_imbalance(trace[block.start:block.end], block.placement)
+            scores[block.start:block.end] = block_imbalance(trace, block)
         results[name] = res
         if oracle:
             o_scores = none_scores.copy()

@@ -43,6 +43,19 @@ def _positive(name: str):
     return conv
 
 
+def _count(name: str):
+    """An integer >= 0."""
+    def conv(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {v}")
+        return v
+    return conv
+
+
 def _positive_list(name: str):
     """'8' or '8,16,32' -> [8] or [8, 16, 32], each >= 1."""
     one = _positive(name)
@@ -291,6 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "plan's predicted balancedness by more than G beyond the noise "
                                       "re-plans with move tolerance 0 and may rebalance early, once per "
                                       f"interval (default {EplbConfig.shift_threshold}, as EplbConfig; 0 = off)")
+    sm.add_argument("--control-interval", type=_count("--control-interval"), default=None, metavar="C",
+                    help="with --cost: shift checks every C model steps, as the runtime (an interval of "
+                         "--rebalance-interval trace steps is --serving-steps model steps; default "
+                         f"{EplbConfig.control_interval}, as EplbConfig; 0 = no early rebalances)")
     sm.add_argument("--read-tokens", type=_float("--read-tokens"), default=None, metavar="R",
                     help="with --cost: decode-aware packing, a slot's weight read costs R tokens when "
                          "the slot gets a token in a step (token count from --tokens-per-gpu; "

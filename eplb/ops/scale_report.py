@@ -136,7 +136,9 @@ def run_cost(a: argparse.Namespace, trace: np.ndarray, source: str) -> int:
                            EplbConfig.read_tokens if a.read_tokens is None else a.read_tokens, "--read-tokens"),
                        dispatch_tokens=check_dispatch_tokens(
                            EplbConfig.dispatch_tokens if a.dispatch_tokens is None else a.dispatch_tokens,
-                           "--dispatch-tokens"))
+                           "--dispatch-tokens"),
+                       control_interval=(EplbConfig.control_interval if a.control_interval is None
+                                         else a.control_interval))
     print(f"eplb simulate --cost {a.cost}: {source}: {T} steps x {L} layers x {Nt} experts as "
           f"{shape.name} (H {shape.hidden}, I {shape.intermediate}, N {shape.num_experts}, "
           f"top-{shape.top_k}, {shape.num_moe_layers} MoE layers); {tokens} tokens/GPU/step; window "
@@ -151,8 +153,8 @@ def run_cost(a: argparse.Namespace, trace: np.ndarray, source: str) -> int:
     results: list[ScaleResult] = []
     for M, P in zip(Ms, slots):
         bar.update(0, suffix=f"EP {M}: planning")
-        if opts.read_tokens > 0:  # the reads are set against this EP size's choices per step
-            opts = replace(opts, step_choices=float(M * tokens * shape.top_k))
+        # reads and shift checks' routing noise are set against this EP size's choices per step
+        opts = replace(opts, step_choices=float(M * tokens * shape.top_k))
         planned = plan_scale(trace, shape, M, P, a.window_size, a.rebalance_interval, link,
                              placements, opts=opts, progress=bar.update)
         bar.update(0, suffix=f"EP {M}: scoring")
@@ -187,8 +189,15 @@ def plan_options_text(opts: PlanOptions) -> str:
             f"{'on' if opts.weighted else 'off'}, load decay {opts.decay:g}, min gain "
             f"{opts.min_gain:g}, shift threshold {opts.shift_threshold:g}"
             f"{' (off)' if opts.shift_threshold == 0 else ''}"
+            f"{_checks_text(opts) if opts.shift_threshold > 0 else ''}"
             f", read tokens {opts.read_tokens:g}"
             f"{f' (dispatch tokens {opts.dispatch_tokens:g})' if opts.read_tokens > 0 else ' (off)'}")
+
+
+def _checks_text(opts: PlanOptions) -> str:
+    if opts.control_interval == 0:
+        return " (no early rebalances: control interval 0)"
+    return f" (checked every {opts.control_interval} model steps)"
 
 
 def format_scale_table(results: Sequence[ScaleResult]) -> str:

@@ -34,6 +34,9 @@ def run_simulate(a: argparse.Namespace) -> int:
     for opt, value in (("--read-tokens", a.read_tokens), ("--dispatch-tokens", a.dispatch_tokens)):
         if value is not None:
             raise ValueError(f"{opt} needs --cost (the tokens per step come from --tokens-per-gpu)")
+    if a.control_interval is not None:
+        raise ValueError("--control-interval needs --cost (without it a trace step is not a count of "
+                         "model steps; shift checks run after every step)")
     if a.counts != "expected":
         raise ValueError("--counts needs --cost (without it there are no token counts, only loads)")
     if a.num_slots is None:

@@ -21,7 +21,7 @@ import torch
 
 from eplb.core.config import EplbConfig
 from eplb.core.placement import Placement, balancedness_of_gpu_loads
-from eplb.core.planning import ShiftState, plan_tolerance, predicted_gain, worth_moving
+from eplb.core.planning import ShiftState, plan_tolerance, predicted_gain, sampling_gap, worth_moving
 from eplb.runtime.events import NO_LOAD
 from eplb.runtime.plan_broadcast import Rank0Planner
 from eplb.runtime.recorder import LoadRecorder
@@ -57,8 +57,9 @@ class RebalanceTargets:
         if not thr or self.early_used or self.shift.predicted is None or steps < 1:
             return False  # the same on every rank: config, step counts and the state agree
         _, gpu = self.recorder.window_load(self.group, since_plan=True)  # [L, M] all-reduced
-        measured = float(np.mean(balancedness_of_gpu_loads(gpu.cpu().numpy())))
-        return self.shift.shifted(measured, steps, thr)
+        gpu = gpu.cpu().numpy()
+        measured = float(np.mean(balancedness_of_gpu_loads(gpu)))
+        return self.shift.shifted(measured, sampling_gap(gpu), thr)
 
     def planned(self, trigger: str, request_ids: list[int], placement: Placement, plan_group,
                 config: EplbConfig) -> tuple[Callable[[], Placement], dict]:
@@ -82,10 +83,10 @@ class RebalanceTargets:
                             seconds_plan=time.perf_counter() - t0)
                 return placement
             steps = info["steps"]
-            measured = float(np.mean(info["measured"]))
-            shifted = early or self.shift.shifted(measured, steps, config.shift_threshold)
-            if not early:
-                self.shift = self.shift.checked(measured, steps, shifted)
+            measured, noise = float(np.mean(info["measured"])), info["sampling"]
+            shifted = early or self.shift.shifted(measured, noise, config.shift_threshold)
+            if not early and steps > 0:  # a gap needs load measured since the last plan
+                self.shift = self.shift.checked(measured, noise, shifted)
             info["shifted"] = shifted
             tol = plan_tolerance(shifted, config.move_tolerance)
             planned = self.planner.plan(info["load"], placement, plan_group, move_tolerance=tol,
@@ -127,7 +128,8 @@ class RebalanceTargets:
                        since_plan: bool = False) -> Callable[[], None]:
         """All-reduce the recorded window now (a collective, on the step loop) and return
         the function that fills `info` from it on the host: "load" [L, N], "before" [L],
-        "measured" [L] (shift detection's: the steps since the last plan) and
+        "measured" [L] and "sampling" (shift detection's: the steps since the last plan, and
+        their routing noise) and
         "step_choices" (token-expert choices per step and layer, what decode-aware
         packing sets weight reads against: the load over the steps it covers). In
         asynchronous mode that function runs in the rebalance thread, after the
@@ -148,7 +150,9 @@ class RebalanceTargets:
                 torch.cuda.current_stream(self.device).wait_event(window_done)
             info["load"] = logical.cpu().numpy().astype(np.float64)  # [L, N]
             info["before"] = balancedness_of_gpu_loads(gpu.cpu().numpy())  # [L]
-            info["measured"] = balancedness_of_gpu_loads(recent.cpu().numpy())  # [L]
+            recent_np = recent.cpu().numpy()  # [L, M] since the last plan
+            info["measured"] = balancedness_of_gpu_loads(recent_np)  # [L]
+            info["sampling"] = sampling_gap(recent_np)  # its routing noise
             info["step_choices"] = float(info["load"].sum(1).mean()) / steps if steps > 0 else 0.0
 
         return read

@@ -1,0 +1,64 @@
+"""The tables of benchmarks/README.md (issue 29) from `benchmarks/issue29.py` outputs.
+
+    python benchmarks/issue29_tables.py DIR [DIR ...]     # every issue29.json under them
+
+Prints, per model: tokens/s default/deepseek, default/oracle and the share of the
+default-to-oracle gap that shift detection closes, (d - n) / (1 - n) with n the same
+planner without it (`--shift-threshold 0`); then moves per rebalance and early
+rebalances. Markdown, one column per EP size.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def rows(dirs) -> list[dict]:
+    out = []
+    for d in dirs:
+        for f in sorted(Path(d).rglob("issue29.json")):
+            out += json.loads(f.read_text())["rows"]
+    return out
+
+
+def closed(r: dict) -> float | None:
+    """Share of the no-shift planner's gap to the oracle that shift detection closes."""
+    n, d = r["noshift/oracle"], r["default/oracle"]
+    return None if n >= 1 else (d - n) / (1 - n)
+
+
+def tables(rs: list[dict]) -> str:
+    eps = sorted({r["ep"] for r in rs})
+    head = "| model | trace | preset | " + " | ".join(f"EP {e}" for e in eps) + " |"
+    rule = "|---|---|---|" + "---|" * len(eps)
+    keys = sorted({(r["model"], r["trace"], r["preset"]) for r in rs})
+    at = {(r["model"], r["trace"], r["preset"], r["ep"]): r for r in rs}
+    out = []
+
+    def cell(r, fmt) -> str:
+        return "-" if r is None else fmt(r)
+
+    for title, fmt in (
+            ("default / deepseek (without shift detection)",
+             lambda r: f"{r['default/deepseek']:.3f} ({r['noshift/deepseek']:.3f})"),
+            ("default / oracle (without shift detection; gap closed)",
+             lambda r: f"{r['default/oracle']:.3f} ({r['noshift/oracle']:.3f}; "
+                       + ("-" if closed(r) is None else f"{100 * closed(r):+.0f}%") + ")")):
+        out += [f"{title}:", "", head, rule]
+        for k in keys:
+            out.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cell(at.get((*k, e)), fmt) for e in eps) + " |")
+        out.append("")
+    out += ["moves per rebalance, decode (without shift detection); early rebalances / shifted plans:", "",
+            head.replace(" preset |", ""), rule[:-4]]
+    for m, t in sorted({(r["model"], r["trace"]) for r in rs}):
+        out.append(f"| {m} | {t} | " + " | ".join(cell(at.get((m, t, "decode", e)), lambda r: (
+            f"{r['moves_per_rebalance']:.0f} ({r['moves_per_rebalance_noshift']:.0f}); "
+            f"{r['early_rebalances']}/{r['shifted_plans']}")) for e in eps) + " |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    print(tables(rows(sys.argv[1:])))
