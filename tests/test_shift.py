@@ -207,10 +207,14 @@ def _runtime(group, device, threshold):
 def _physical(rt, logical: np.ndarray, rank: int) -> torch.Tensor:  # [L, N] -> [L, P] this rank's counts
     """Per-slot counts of a logical load under the placement in force, split evenly over an
     expert's replicas (each rank counts the same)."""
-    p2l = rt.placement.physical_to_logical  # [L, P]
+    return torch.tensor(_slot_counts(rt.placement, logical), dtype=torch.int64)
+
+
+def _slot_counts(placement, logical: np.ndarray) -> np.ndarray:  # [L, N] -> [L, P]
+    p2l = placement.physical_to_logical  # [L, P]
     reps = np.stack([np.bincount(row, minlength=N) for row in p2l])  # [L, N]
     per = logical[np.arange(L)[:, None], p2l] / reps[np.arange(L)[:, None], p2l]  # [L, P]
-    return torch.tensor(np.rint(per), dtype=torch.int64)
+    return np.rint(per)
 
 
 def _hot(experts) -> np.ndarray:  # [L, N]
@@ -245,6 +249,18 @@ def _shift_body(rank, world, threshold):
         assert TOLERANCES == want, TOLERANCES
         if threshold:  # the early plan saw the load since the shift only: steps 17, 18 of both ranks
             np.testing.assert_allclose(LOADS[2], 2 * 2 * _hot([0, 6]), rtol=0.01)
+    if threshold:
+        # the steady check at 16 joined the noise history: the gap of steps 13-16 (the
+        # window's 4 steps since the plan at 8; both ranks' counts under its placement) less
+        # its routing noise, by hand
+        placed = rt.events[0].placement
+        gpu = 2 * 4 * _slot_counts(placed, _hot([4, 5])).reshape(L, 2, -1).sum(-1)  # [L, M]
+        b = gpu.mean(1) / gpu.max(1)  # [L]
+        routing = np.mean(b * np.sqrt(2 * np.log(2) / gpu.max(1)))
+        predicted = rt.events[0].balancedness_after.mean()
+        assert rt.targets.shift.noise == (pytest.approx(predicted - b.mean() - routing),), \
+            (rt.targets.shift.noise, predicted, b.mean(), routing, [e.trigger for e in rt.events])
+        assert routing > 0.005  # visible next to the gap
 
 
 @pytest.mark.parametrize("threshold", [0.05, 0.0])
