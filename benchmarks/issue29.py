@@ -15,8 +15,11 @@ spare slot per GPU, decode 128 and prefill 4,096 tokens per GPU) over:
   steps: shifts between rebalances), `steady-lognormal` (lognormal(0, 1), fixed),
   `drift` (a smooth cosine mix of two Zipf 1.0 profiles);
 
-with the default planner shift-aware (`--shift-threshold`, default the runtime's) and not
-(`0`), against deepseek (schedule only, as published) and the oracle. Prints one table per
+with the default planner as the runtime ships it (`EplbConfig`: shift-aware, checks every
+`--control-interval` 10 model steps of the 250 a trace step stands for, decode-aware
+packing with `--read-tokens 100 --dispatch-tokens 40`, each set against the preset's tokens
+per step) and the same without shift detection (`--shift-threshold 0`), against deepseek
+(schedule only, as published) and the oracle. Prints one table per
 model, trace and preset: tokens/s ratios default/deepseek and default/oracle, and the
 moves per rebalance. Writes `issue29.json` under `--out` (after every row).
 `--plan-only --plans DIR --jobs J` plans every configuration first in J processes (the
@@ -36,6 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from eplb.core.config import EplbConfig  # noqa: E402
 from eplb.core.placement import Placement  # noqa: E402
 from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD  # noqa: E402
 from eplb.core.cost_model import MODEL_PRESETS, TOKEN_PRESETS, LinkModel  # noqa: E402
@@ -83,16 +87,17 @@ def synthetic(T: int = 40, L: int = 4, N: int = 256) -> dict[str, np.ndarray]:
     return {k: _sample(v, rng) for k, v in out.items()}
 
 
-def _plan_file(plans: Path, model: str, name: str, M: int, shift: float) -> Path:
-    return plans / f"{model}-{name}-M{M}-shift{shift:g}-ci{CONTROL[0]}.npz"
+def _plan_file(plans: Path, model: str, name: str, M: int, shift: float, preset: str) -> Path:
+    r, d = READS
+    return plans / f"{model}-{name}-M{M}-{preset}-shift{shift:g}-ci{CONTROL[0]}-r{r:g}-d{d:g}.npz"
 
 
-def _plans(model: str, name: str, M: int, shift: float, plans: Path | None):
+def _plans(model: str, name: str, M: int, shift: float, plans: Path | None, preset: str):
     """{"shift": (loads, blocks), "noshift": ...} for one model, trace and EP size; read from
     / written to `plans` when given (planning is the CPU part: `--plan-only` fills the cache
     with several processes, a GPU run then only times kernels)."""
     shape = MODEL_PRESETS[model]
-    f = None if plans is None else _plan_file(plans, model, name, M, shift)
+    f = None if plans is None else _plan_file(plans, model, name, M, shift, preset)
     if f is not None and f.exists():
         return _load(f, M, shape)
     loads = _all_loads()[name]
@@ -101,17 +106,19 @@ def _plans(model: str, name: str, M: int, shift: float, plans: Path | None):
     for label, thr in (("shift", shift), ("noshift", 0.0)):
         kinds = KINDS if label == "shift" else ("static", "default")
         out[label] = plan_scale(loads, shape, M, P, WINDOW, INTERVAL, LinkModel(), kinds,
-                                opts=_opts(thr, M, shape))
+                                opts=_opts(thr, M, shape, preset))
     if f is not None:
         _save(f, out)
     return out
 
 
-def _opts(threshold: float, M: int, shape) -> PlanOptions:
-    """The plans' settings: shift checks every CONTROL[0] model steps, whose routing noise is
-    that of decode's tokens per step (the noisier preset: one plan serves both presets)."""
+def _opts(threshold: float, M: int, shape, preset: str) -> PlanOptions:
+    """The plans' settings, the runtime's unless told: shift checks every CONTROL[0] model
+    steps, decode-aware packing with READS; both set against the preset's tokens per step
+    (the routing noise of a check, the weight reads), so each preset has its own plans."""
     return PlanOptions(shift_threshold=threshold, control_interval=CONTROL[0],
-                       step_choices=float(M * TOKEN_PRESETS["decode"] * shape.top_k))
+                       read_tokens=READS[0], dispatch_tokens=READS[1],
+                       step_choices=float(M * TOKEN_PRESETS[preset] * shape.top_k))
 
 
 def _save(f: Path, out: dict) -> None:
@@ -169,6 +176,7 @@ _LOADS: dict = {}
 
 SHARED_DIR = [SHARED]  # --shared: where the shared traces are (olmoe is left out without them)
 CONTROL = [DEFAULT_CONTROL_INTERVAL]  # --control-interval: model steps between shift checks
+READS = [EplbConfig.read_tokens, EplbConfig.dispatch_tokens]  # --read-tokens, --dispatch-tokens
 
 
 def _all_loads() -> dict[str, np.ndarray]:
@@ -191,17 +199,18 @@ def configs(eps, models, names) -> list[tuple[str, str, int]]:
 
 
 def _plan_job(args) -> str:
-    model, name, M, shift, plans = args
+    model, name, M, shift, plans, preset = args
     t0 = time.perf_counter()
-    _plans(model, name, M, shift, plans)
-    return f"planned {model} {name} EP {M} in {time.perf_counter() - t0:.1f} s"
+    _plans(model, name, M, shift, plans, preset)
+    return f"planned {model} {name} EP {M} {preset} in {time.perf_counter() - t0:.1f} s"
 
 
 def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path | None = None,
-        counts: str = "expected") -> dict:
+        counts: str = "expected", seed: int = 0) -> dict:
     link = LinkModel()
     doc = {"date": datetime.date.today().isoformat(), "cost": cost_kind, "shift_threshold": shift,
-           "control_interval": CONTROL[0], "counts": counts, "rows": []}
+           "control_interval": CONTROL[0], "read_tokens": READS[0], "dispatch_tokens": READS[1],
+           "counts": counts, "seed": seed, "rows": []}
     out.mkdir(parents=True, exist_ok=True)
     costs = {}
     for model, name, M in configs(eps, models, names):
@@ -210,18 +219,18 @@ def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path
             costs[model] = {p: make_cost(cost_kind, shape, 1 + shape.num_experts // 8 + 1, t)
                             for p, t in TOKEN_PRESETS.items()}
         P = shape.num_experts + M
-        if plans is not None and not _plan_file(plans, model, name, M, shift).exists():
-            print(f"{model} {name} EP {M}: not in {plans} (planning was cut short): left out", flush=True)
-            continue
-        t0 = time.perf_counter()
-        variants = _plans(model, name, M, shift, plans)
-        t_plan = time.perf_counter() - t0
-        trace = variants["shift"][0]
         for preset, tokens in TOKEN_PRESETS.items():
+            if plans is not None and not _plan_file(plans, model, name, M, shift, preset).exists():
+                print(f"{model} {name} EP {M} {preset}: not in {plans} (planning was cut short): left out",
+                      flush=True)
+                continue
+            t0 = time.perf_counter()
+            variants = _plans(model, name, M, shift, plans, preset)
+            t_plan = time.perf_counter() - t0
+            trace = variants["shift"][0]
             res = {label: scale_replay(trace, shape, M, P, tokens, WINDOW, INTERVAL,
                                        costs[model][preset], link, planned=pl,
-                                       opts=_opts(thr, M, shape),
-                                       counts=counts)
+                                       opts=_opts(thr, M, shape, preset), counts=counts, seed=seed)
                    for (label, pl), thr in zip(variants.items(), (shift, 0.0))}
             r, r0 = res["shift"].rows, res["noshift"].rows
             tps = {k: v.tokens_per_s for k, v in r.items()}
@@ -274,14 +283,22 @@ def main() -> None:
     ap.add_argument("--control-interval", type=int, default=DEFAULT_CONTROL_INTERVAL,
                     help=f"model steps between shift checks (default {DEFAULT_CONTROL_INTERVAL}, the runtime's; "
                          f"{SERVING_STEPS // INTERVAL}: after whole trace steps only; 0: no early rebalances)")
+    ap.add_argument("--read-tokens", type=float, default=EplbConfig.read_tokens,
+                    help=f"decode-aware packing (default {EplbConfig.read_tokens:g}, the runtime's; 0 = off)")
+    ap.add_argument("--dispatch-tokens", type=float, default=EplbConfig.dispatch_tokens,
+                    help=f"decode-aware packing's price of a token more on the busiest GPU "
+                         f"(default {EplbConfig.dispatch_tokens:g}, the runtime's)")
+    ap.add_argument("--seed", type=int, default=0, help="--counts poisson: the draws' seed")
     a = ap.parse_args()
     SHARED_DIR[0] = a.shared
     CONTROL[0] = a.control_interval
+    READS[:] = [a.read_tokens, a.dispatch_tokens]
     eps, models, names = [int(x) for x in a.ep.split(",")], a.models.split(","), a.traces.split(",")
     if a.plan_only:
         if a.plans is None:
             ap.error("--plan-only needs --plans")
-        jobs = [(m, n, M, a.shift_threshold, a.plans) for m, n, M in configs(eps, models, names)]
+        jobs = [(m, n, M, a.shift_threshold, a.plans, p) for m, n, M in configs(eps, models, names)
+                for p in TOKEN_PRESETS]
         jobs.sort(key=lambda j: -j[2])  # the largest EP first: they take longest
         import multiprocessing
         with multiprocessing.get_context("fork").Pool(max(1, a.jobs)) as pool:
@@ -290,7 +307,7 @@ def main() -> None:
         return
     if a.out is None:
         ap.error("--out is required (unless --plan-only)")
-    run(a.cost, a.out, a.shift_threshold, eps, models, names, a.plans, a.counts)
+    run(a.cost, a.out, a.shift_threshold, eps, models, names, a.plans, a.counts, a.seed)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The tables of benchmarks/README.md (issue 29) from `benchmarks/issue29.py` outputs.
 
-    python benchmarks/issue29_tables.py DIR [DIR ...]     # every issue29.json under them
+    python benchmarks/issue29_tables.py DIR [DIR ...]     # every issue29.json (any *.json with rows) under them
 
+Rows of one configuration found more than once (runs with other Poisson seeds) are averaged.
 Prints, per model: tokens/s default/deepseek, default/oracle and the share of the
 default-to-oracle gap that shift detection closes, (d - n) / (1 - n) with n the same
 planner without it (`--shift-threshold 0`); then moves per rebalance and early
@@ -14,12 +15,20 @@ import sys
 from pathlib import Path
 
 
+RATIOS = ("default/deepseek", "noshift/deepseek", "default/oracle", "noshift/oracle",
+          "moves_per_rebalance", "moves_per_rebalance_noshift", "early_rebalances", "shifted_plans")
+
+
 def rows(dirs) -> list[dict]:
-    out = []
+    """Every row under `dirs`; rows of one configuration from several runs (seeds of
+    Poisson counts) are averaged, figure by figure."""
+    seen: dict[tuple, list[dict]] = {}
     for d in dirs:
-        for f in sorted(Path(d).rglob("issue29.json")):
-            out += json.loads(f.read_text())["rows"]
-    return out
+        for f in sorted(Path(d).rglob("*.json")):  # issue29.json, or copies renamed per run
+            for r in json.loads(f.read_text()).get("rows", []):
+                seen.setdefault((r["model"], r["trace"], r["ep"], r["preset"]), []).append(r)
+    return [dict(rs[0], runs=len(rs), **{k: sum(r[k] for r in rs) / len(rs) for k in RATIOS})
+            for rs in seen.values()]
 
 
 def closed(r: dict) -> float | None:
@@ -54,7 +63,7 @@ def tables(rs: list[dict]) -> str:
     for m, t in sorted({(r["model"], r["trace"]) for r in rs}):
         out.append(f"| {m} | {t} | " + " | ".join(cell(at.get((m, t, "decode", e)), lambda r: (
             f"{r['moves_per_rebalance']:.0f} ({r['moves_per_rebalance_noshift']:.0f}); "
-            f"{r['early_rebalances']}/{r['shifted_plans']}")) for e in eps) + " |")
+            f"{r['early_rebalances']:g}/{r['shifted_plans']:g}")) for e in eps) + " |")
     return "\n".join(out)
 
 
