@@ -26,6 +26,15 @@ def skewed_trace(T=10, L=2, N=16, seed=0):  # [T, L, N]: a very hot expert per l
     return t
 
 
+def cost_cli(trace, gpus: str, gpus_per_node: str, tokens: str, *extra: str) -> list[str]:
+    """`eplb simulate TRACE --cost analytic` on a tiny custom model (H 64, I 32, top-2, 10 MoE
+    layers), window and interval 2, with the given EP sizes, node size and tokens per GPU."""
+    return ["simulate", str(trace), "--cost", "analytic", "--model", "custom", "--hidden", "64",
+            "--intermediate", "32", "--top-k", "2", "--moe-layers", "10", "--num-gpus", gpus,
+            "--window-size", "2", "--rebalance-interval", "2", "--gpus-per-node", gpus_per_node,
+            "--tokens-per-gpu", tokens, *extra]
+
+
 # ---- pieces against loops ------------------------------------------------------------
 
 
@@ -189,11 +198,8 @@ def test_cli_cost_analytic_prints_and_writes_the_same_figures(tmp_path, capsys):
     trace = tmp_path / "t.npy"
     np.save(trace, skewed_trace(T=12, L=2, N=16))
     out, png = tmp_path / "s.json", tmp_path / "s.png"
-    code, stdout, err = run_main(["simulate", str(trace), "--cost", "analytic", "--model", "custom",
-                                  "--hidden", "64", "--intermediate", "32", "--top-k", "2",
-                                  "--moe-layers", "10", "--num-gpus", "2,4", "--window-size", "2",
-                                  "--rebalance-interval", "2", "--gpus-per-node", "2",
-                                  "--tokens-per-gpu", "64", "--json", str(out), "--plot", str(png)], capsys)
+    code, stdout, err = run_main(cost_cli(trace, "2,4", "2", "64", "--json", str(out), "--plot", str(png)),
+                                 capsys)
     assert code == 0, err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in stdout  # eplb.ops.plots
     doc = json.loads(out.read_text())
@@ -214,10 +220,7 @@ def test_cli_cost_honours_the_runtime_settings_and_prints_ratios(tmp_path, capsy
     from the JSON); one progress line for the whole run when stderr is not a terminal."""
     trace = tmp_path / "t.npy"
     np.save(trace, skewed_trace(T=12, L=2, N=16))
-    base = ["simulate", str(trace), "--cost", "analytic", "--model", "custom", "--hidden", "64",
-            "--intermediate", "32", "--top-k", "2", "--moe-layers", "10", "--num-gpus", "2,4",
-            "--window-size", "2", "--rebalance-interval", "2", "--gpus-per-node", "2",
-            "--tokens-per-gpu", "64", "--min-gain", "0"]
+    base = cost_cli(trace, "2,4", "2", "64", "--min-gain", "0")
     docs, outs = [], []
     for extra in ([], ["--move-tolerance", "0.5", "--weighted-replicas", "--load-decay", "0.5",
                        "--shift-threshold", "0"]):
@@ -373,7 +376,10 @@ def test_bench_issue29_ratios_and_plan_cache(tmp_path):
         assert r["default/oracle"] == pytest.approx(t["default"] / t["oracle"], rel=1e-12)
         assert r["noshift/oracle"] == pytest.approx(r["default_noshift"] / t["oracle"], rel=1e-12)
         assert r["early_rebalances"] >= 1 and r["default/oracle"] > r["noshift/oracle"]
-    issue29._plans("deepseek-v3", "shift-zipf", 8, 0.05, tmp_path / "plans")  # fills the cache
+    for preset in ("decode", "prefill"):  # fills the cache: each preset has its own plans
+        issue29._plans("deepseek-v3", "shift-zipf", 8, 0.05, tmp_path / "plans", preset)
+    read_back = issue29._plans("deepseek-v3", "shift-zipf", 8, 0.05, tmp_path / "plans", "decode")
+    assert any(b.lead > 0 for b in read_back["shift"][1]["default"])  # checks within a step, kept
     cached = issue29.run("analytic", tmp_path / "b", 0.05, [8], ["deepseek-v3"], ["shift-zipf"],
                          plans=tmp_path / "plans")
     for a, b in zip(direct["rows"], cached["rows"]):
@@ -390,10 +396,7 @@ def test_cli_read_tokens_reaches_the_plans(tmp_path, capsys):
     rng = np.random.default_rng(7)
     t = rng.lognormal(0.0, 3.0, size=(12, 2, 32)) + 1e-3  # many cold experts
     np.save(trace, t)
-    base = ["simulate", str(trace), "--cost", "analytic", "--model", "custom", "--hidden", "64",
-            "--intermediate", "32", "--top-k", "2", "--moe-layers", "10", "--num-gpus", "4,8",
-            "--window-size", "2", "--rebalance-interval", "2", "--gpus-per-node", "8",
-            "--tokens-per-gpu", "4", "--min-gain", "0", "--placements", "default"]
+    base = cost_cli(trace, "4,8", "8", "4", "--min-gain", "0", "--placements", "default")
     docs, outs = [], []
     for extra in (["--read-tokens", "0"], ["--read-tokens", "50"], []):
         out = tmp_path / f"r{len(docs)}.json"
@@ -469,10 +472,7 @@ def test_scale_replay_poisson_counts_are_seeded_and_recorded():
 def test_cli_counts_reaches_the_replay(tmp_path, capsys):
     trace = tmp_path / "t.npy"
     np.save(trace, skewed_trace(T=8, L=2, N=16))
-    base = ["simulate", str(trace), "--cost", "analytic", "--model", "custom", "--hidden", "64",
-            "--intermediate", "32", "--top-k", "2", "--moe-layers", "10", "--num-gpus", "4",
-            "--window-size", "2", "--rebalance-interval", "2", "--gpus-per-node", "2",
-            "--tokens-per-gpu", "2", "--placements", "default"]
+    base = cost_cli(trace, "4", "2", "2", "--placements", "default")
     out = tmp_path / "p.json"
     code, stdout, err = run_main(base + ["--counts", "poisson", "--json", str(out)], capsys)
     assert code == 0, err
@@ -550,10 +550,7 @@ def test_scale_replay_mixes_a_step_a_rebalance_landed_in():
 def test_cli_control_interval_reaches_the_replay(tmp_path, capsys):
     trace = tmp_path / "t.npy"
     np.save(trace, skewed_trace(T=8, L=2, N=16))
-    base = ["simulate", str(trace), "--cost", "analytic", "--model", "custom", "--hidden", "64",
-            "--intermediate", "32", "--top-k", "2", "--moe-layers", "10", "--num-gpus", "4",
-            "--window-size", "2", "--rebalance-interval", "2", "--gpus-per-node", "2",
-            "--tokens-per-gpu", "2", "--placements", "default"]
+    base = cost_cli(trace, "4", "2", "2", "--placements", "default")
     out = tmp_path / "c.json"
     code, stdout, err = run_main(base + ["--control-interval", "0", "--json", str(out)], capsys)
     assert code == 0, err

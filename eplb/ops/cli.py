@@ -31,29 +31,25 @@ class _Parser(SettingsParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive(name: str):
+def _at_least(name: str, low: int):
+    """An integer >= `low`, else an argparse error naming `name`."""
     def conv(s: str) -> int:
         try:
             v = int(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {low}, got {v}")
         return v
     return conv
+
+
+def _positive(name: str):
+    return _at_least(name, 1)
 
 
 def _count(name: str):
-    """An integer >= 0."""
-    def conv(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
-        if v < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {v}")
-        return v
-    return conv
+    return _at_least(name, 0)
 
 
 def _positive_list(name: str):
