@@ -265,6 +265,25 @@ def test_cli_npz_trace_and_several_policies(tmp_path, capsys):
     assert "_test_hot" in out and "deepseek" in out and "oracle:" not in out
 
 
+def test_cli_notes_a_trace_of_shares_hides_shifts(tmp_path, capsys):
+    """Shift checks weigh routing noise by the trace's counts: a trace of shares (rows
+    summing to 1) gets a note on stderr; the same trace as counts, and shift detection
+    off, do not."""
+    rng = np.random.default_rng(0)
+    counts = rng.multinomial(5000, np.arange(1, 9) / 36, size=(8, 2)).astype(float)  # [8, 2, 8]
+    base = ["--num-gpus", "2", "--num-slots", "10", "--window-size", "2", "--rebalance-interval", "2",
+            "--no-oracle"]
+    notes = []
+    for name, trace, extra in (("shares", counts / counts.sum(-1, keepdims=True), []), ("counts", counts, []),
+                               ("off", counts / counts.sum(-1, keepdims=True), ["--shift-threshold", "0"])):
+        path = tmp_path / f"{name}.npy"
+        np.save(path, trace)
+        code, out, err = run_main(["simulate", str(path), *base, *extra], capsys)
+        assert code == 0, err
+        notes.append("hold 1 tokens per layer on average (shares, not counts?)" in err)
+    assert notes == [True, False, False]
+
+
 def test_cli_plot_without_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

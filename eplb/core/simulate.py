@@ -343,7 +343,10 @@ def simulate(
     skipped rebalance, counted in the summary); the oracles ignore it. `oracle=False` skips
     the oracle references (they double the planning work). `progress()` is called after
     every plan. `shift_threshold`: as `EplbConfig.shift_threshold`, shift-aware
-    rebalancing (see `replay_policy`); 0 turns it off.
+    rebalancing (see `replay_policy`), checked after every step; 0 turns it off. Its checks
+    take the trace's values as token counts to weigh routing noise
+    (`planning.sampling_gap`): a trace of shares (rows summing to 1) looks like a handful
+    of tokens, and no drop clears that noise.
     """
     trace = check_trace(trace)
     T, L, N = trace.shape
