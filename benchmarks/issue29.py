@@ -45,7 +45,7 @@ from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD  # noqa: E402
 from eplb.core.cost_model import MODEL_PRESETS, TOKEN_PRESETS, LinkModel  # noqa: E402
 from eplb.core.scale import (COUNTS, DEFAULT_CONTROL_INTERVAL, SERVING_STEPS, PlanOptions,  # noqa: E402
                              plan_scale, scale_replay, topology)
-from eplb.core.simulate import Block, RebalanceRecord  # noqa: E402
+from eplb.core.replay import Block, RebalanceRecord  # noqa: E402
 from eplb.core.transfer_plan import transfer_stats  # noqa: E402
 from eplb.ops.scale_report import make_cost  # noqa: E402
 from scale import SHARED, traces as shared_traces  # noqa: E402

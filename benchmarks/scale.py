@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eplb.core.placement import Placement  # noqa: E402
 from eplb.core.cost_model import MODEL_PRESETS, TOKEN_PRESETS, LinkModel  # noqa: E402
 from eplb.core.scale import PLACEMENTS, plan_scale, scale_replay, topology  # noqa: E402
-from eplb.core.simulate import Block, aggregate_steps  # noqa: E402
+from eplb.core.replay import Block  # noqa: E402
+from eplb.core.simulate import aggregate_steps  # noqa: E402
 from eplb.core.workload import load_trace  # noqa: E402
 from eplb.ops.plots import plot_scale  # noqa: E402
 from eplb.ops.scale_report import format_scale_table, make_cost, pick_layers  # noqa: E402

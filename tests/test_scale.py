@@ -515,7 +515,7 @@ def test_scale_replay_mixes_a_step_a_rebalance_landed_in():
     """A block whose rebalance landed half way into its first step: that step costs half
     the previous placement's layer time and half the new one's (each replayed alone), the
     other steps the new one's; the move time is the same."""
-    from eplb.core.simulate import Block
+    from eplb.core.replay import Block
 
     shape = ModelShape("c", 4096, 2048, 16, 2, 1, 10)  # experts of 50 MB: moves count
     trace = skewed_trace(T=6, L=2, N=16)

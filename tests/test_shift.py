@@ -10,7 +10,8 @@ import torch.distributed as dist
 from _dist import device_for, run_distributed
 from eplb.core.placement import Placement
 from eplb.core.planning import ShiftState, plan_tolerance, sampling_gap
-from eplb.core.simulate import block_imbalance, check_points, replay_policy, simulate, step_imbalance
+from eplb.core.replay import block_imbalance, check_points, replay_policy, step_imbalance
+from eplb.core.simulate import simulate
 
 
 # ---- the decision ------------------------------------------------------------------------
@@ -95,7 +96,6 @@ def test_replay_rebalances_early_after_a_shift_and_balances_better():
     assert [b.start for b in off] == steps and not any(b.record.shifted for b in off)
 
     def served(blocks, lo, hi):  # mean max/mean GPU load over steps [lo, hi)
-        from eplb.core.simulate import step_imbalance
         per = np.concatenate([step_imbalance(trace[max(b.start, lo):min(b.end, hi)], b.placement).mean(1)
                               for b in blocks if b.end > lo and b.start < hi])
         return per.mean()

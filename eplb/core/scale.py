@@ -48,7 +48,7 @@ from eplb.core.placement import Placement
 from eplb.core.config import EplbConfig
 from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD, check_topology, positive_int
 from eplb.core.policy.base import DEFAULT_DISPATCH_TOKENS, DEFAULT_MOVE_TOLERANCE
-from eplb.core.simulate import (Block, oracle_blocks, rebalance_steps, replay_policy)
+from eplb.core.replay import Block, oracle_blocks, rebalance_steps, replay_policy
 from eplb.core.workload import check_trace
 
 SERVING_STEPS = 1000  # model steps one rebalance interval stands for (SGLang's default period)
