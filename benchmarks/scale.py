@@ -78,6 +78,7 @@ def save_plans(path: Path, loads: np.ndarray, blocks: dict[str, list[Block]]) ->
         arrays[f"{kind}/shares"] = np.stack([b.placement.slot_shares() for b in bs])  # [B, L, P]
         arrays[f"{kind}/weighted"] = np.array([b.placement.shares is not None for b in bs])
         arrays[f"{kind}/prev_p2l"] = bs[0].previous.physical_to_logical  # [L, P]
+        arrays[f"{kind}/lead"] = np.array([b.lead for b in bs])  # [B] share of the first step on `previous`
     np.savez_compressed(path, **arrays)
 
 
@@ -89,12 +90,13 @@ def load_plans(path: Path, M: int, nodes: int) -> tuple[np.ndarray, dict[str, li
     for kind in sorted({k.split("/")[0] for k in z.files if "/" in k}, key=PLACEMENTS.index):
         prev = Placement(z[f"{kind}/prev_p2l"], N, M, nodes)
         bs = []
-        for (s, e), p2l, sh, w in zip(z[f"{kind}/span"], z[f"{kind}/p2l"], z[f"{kind}/shares"],
-                                      z[f"{kind}/weighted"]):
+        leads = z[f"{kind}/lead"] if f"{kind}/lead" in z.files else np.zeros(len(z[f"{kind}/span"]))
+        for (s, e), p2l, sh, w, lead in zip(z[f"{kind}/span"], z[f"{kind}/p2l"], z[f"{kind}/shares"],
+                                            z[f"{kind}/weighted"], leads):
             pl = Placement(p2l, N, M, nodes, kind, sh if w else None)
             if pl == prev:
                 pl = prev
-            bs.append(Block(int(s), int(e), pl, prev))
+            bs.append(Block(int(s), int(e), pl, prev, lead=float(lead)))
             prev = pl
         blocks[kind] = bs
     return loads, blocks

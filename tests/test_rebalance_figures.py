@@ -124,6 +124,9 @@ def _figures_body(rank, world, mode):
     L, N, M = args.num_layers, args.num_experts, world
     config = EplbConfig(num_redundant_experts=args.num_redundant_experts, window_size=WINDOW,
                         rebalance_interval=0, control_interval=1, min_gain=0.0,
+                        # every plan with the config's move tolerance, as recomputed below (a
+                        # shift or a drift plans with 0: tests/test_shift.py)
+                        shift_threshold=0.0,
                         async_rebalance=mode.startswith("async"),
                         planner_process=mode == "async-process")
     runtime = EplbRuntime(model, config)

@@ -12,7 +12,7 @@ from _cli import run_main
 
 from eplb.core.placement import Placement
 from eplb.core.cost_model import AnalyticCost, LinkModel, ModelShape, exchange_seconds, move_seconds
-from eplb.core.scale import plan_scale, scale_replay, slot_counts, stack_experts
+from eplb.core.scale import PlanOptions, plan_scale, scale_replay, slot_counts, stack_experts
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ModelShape("tiny", hidden=64, intermediate=32, num_experts=16, top_k=2, num_groups=1,
@@ -170,12 +170,19 @@ def test_balancing_pays_on_a_hot_expert_and_moves_are_charged():
     assert np.mean(d.step_ms) == pytest.approx(d.layer_ms * 10 + d.rebalance_ms_per_step, rel=1e-4)
     assert max(d.step_ms) > min(d.step_ms)
     assert moved_ms > 0
+    # the same plans spread over more or fewer serving steps (planning itself depends on
+    # them: a check's routing noise counts the model tokens a trace step stands for)
+    opts = PlanOptions(step_choices=4 * 256 * TINY.top_k)
+    planned = plan_scale(trace, TINY, 4, 24, 2, 2, LinkModel(gpus_per_node=2), opts=opts, serving_steps=10)
+    again = scale_replay(trace, TINY, 4, 24, 256, 2, 2, compute_bound, LinkModel(gpus_per_node=2),
+                         serving_steps=10, planned=planned, opts=opts).rows["default"]
+    assert again.tokens_per_s == d.tokens_per_s  # the plans scale_replay made itself
     longer = scale_replay(trace, TINY, 4, 24, 256, 2, 2, compute_bound, LinkModel(gpus_per_node=2),
-                          serving_steps=1000).rows["default"]
+                          serving_steps=1000, planned=planned, opts=opts).rows["default"]
     assert longer.rebalance_ms_per_step == pytest.approx(d.rebalance_ms_per_step / 100)
     # the per-step figures carry the charge: same layers, only the spread of the moves differs
     short = scale_replay(trace, TINY, 4, 24, 256, 2, 2, compute_bound, LinkModel(gpus_per_node=2),
-                         serving_steps=1).rows["default"]
+                         serving_steps=1, planned=planned, opts=opts).rows["default"]
     diff = np.array(short.step_ms) - np.array(longer.step_ms)  # [scored steps]
     assert diff.sum() == pytest.approx(len(diff) * (short.rebalance_ms_per_step - longer.rebalance_ms_per_step),
                                        abs=len(diff) * 1e-4)  # step_ms is rounded to 1e-4 ms

@@ -50,6 +50,21 @@ def test_noise_keeps_the_smallest_of_the_last_steady_gaps_only():
     assert plan_tolerance(True, 0.03) == 0.0 and plan_tolerance(False, 0.03) == 0.03
 
 
+def test_variation_and_the_drift_rule_by_hand():
+    assert ShiftState().variation is None and ShiftState().planned(0.9).variation is None
+    s = ShiftState().planned(1.0)
+    for gap in (0.2, 0.08, 0.12):
+        s = s.checked(1.0 - gap, 0.01, shifted=False)
+    assert s.variation == pytest.approx(0.07)  # the smallest gap less its routing noise
+    assert ShiftState().planned(0.9).checked(0.95, 0.0, False).variation == 0.0  # better than predicted
+    # drifting: the variation above the move tolerance plus the window's routing noise
+    assert plan_tolerance(False, 0.03, 0.07, 0.039) == 0.0
+    assert plan_tolerance(False, 0.03, 0.07, 0.041) == 0.03  # the window's noise explains it
+    assert plan_tolerance(False, 0.03, 0.029) == 0.03  # within the tolerance
+    assert plan_tolerance(False, 0.03, None) == 0.03  # no check yet (or detection off)
+    assert plan_tolerance(True, 0.03, 0.0, 0.5) == 0.0  # a shift re-plans whatever the noise
+
+
 def test_sampling_gap_by_hand_and_bounds_routing_noise():
     gpu = np.array([[10.0, 30.0, 20.0, 40.0], [0.0, 0.0, 0.0, 0.0]])  # [L, M] token counts
     by_hand = (25 / 40 * np.sqrt(2 * np.log(4) / 40) + 0.0) / 2  # the empty layer counts 0
@@ -168,8 +183,52 @@ def test_replay_on_a_steady_load_is_the_schedule_alone():
     b = simulate(trace, 8, 24, 4, 4, min_gain=0.0, shift_threshold=0.0, oracle=False)
     ra, rb = a.policies["default"].rebalances, b.policies["default"].rebalances
     assert not any(r.shifted or r.early for r in ra)
+    assert [r.move_tolerance for r in ra] == [0.03] * len(ra)  # steady: never drifting
     assert [r.slots_changed for r in ra] == [r.slots_changed for r in rb]
     assert np.array_equal(a.policies["default"].layer_imbalance, b.policies["default"].layer_imbalance)
+
+
+def _drifting_trace(tokens: int, seed: int = 5) -> np.ndarray:  # [40, 2, 16] counts
+    """A smooth cosine mix of two Zipf profiles (benchmarks/issue29.py's `drift`), each step
+    `tokens` multinomial draws per layer."""
+    rng = np.random.default_rng(seed)
+    a, b = (1 / (np.argsort(rng.random((2, 16)), 1) + 1.0) for _ in range(2))
+    a, b = a / a.sum(1, keepdims=True), b / b.sum(1, keepdims=True)
+    x = (1 - np.cos(np.pi * np.arange(40) / 40)) / 2  # [T] 0 -> 1
+    shares = (1 - x)[:, None, None] * a + x[:, None, None] * b
+    return np.array([[rng.multinomial(tokens, p) for p in step] for step in shares], float)
+
+
+def test_replay_plans_a_drifting_load_with_tolerance_0_unless_the_window_is_noisy():
+    def records(tokens):
+        r = simulate(_drifting_trace(tokens), 8, 24, 4, 4, min_gain=0.0, shift_threshold=0.05, oracle=False)
+        return r.policies["default"].rebalances
+
+    recs = records(20000)
+    drifting = [r.step for r in recs if r.move_tolerance == 0.0 and not r.shifted]
+    assert drifting and max(drifting) == recs[-1].step, [(r.step, r.move_tolerance, r.shifted) for r in recs]
+    assert all(r.move_tolerance == 0.03 for r in recs[:2])  # no checked gap yet at the first plans
+    # the same drift on 200 tokens a step: window noise of that size hides it, keep the tolerance
+    assert all(r.move_tolerance == 0.03 for r in records(200) if not r.shifted)
+    # detection off: no checks, no drift either
+    r0 = simulate(_drifting_trace(20000), 8, 24, 4, 4, min_gain=0.0, shift_threshold=0.0, oracle=False)
+    assert {r.move_tolerance for r in r0.policies["default"].rebalances} == {0.03}
+
+
+def test_replay_keeps_the_tolerance_on_a_steady_load_whose_window_is_noisy():
+    """A steady load drawn on 2,000 tokens a step, checked as if a step stood for many model
+    tokens (`tokens_per_step`, as `eplb.core.scale`): the checks' gaps are the trace's own
+    noise, beyond the tolerance, but the window's routing noise covers them: no drift."""
+    rng = np.random.default_rng(3)
+    shares = rng.lognormal(0, 1, (2, 32))
+    trace = np.array([[rng.multinomial(2000, p / p.sum()) for p in shares] for _ in range(24)], float)
+    initial, steps = Placement.initial(2, 32, 48, 16), list(range(4, 24, 4))
+    kw = dict(num_nodes=1, num_groups=1)
+    on = replay_policy(trace, initial, steps, 4, "default", kw, min_gain=0.0, shift_threshold=0.05,
+                       check_every=0.04, tokens_per_step=1e7)
+    off = replay_policy(trace, initial, steps, 4, "default", kw, min_gain=0.0, shift_threshold=0.0)
+    assert [b.record.move_tolerance for b in on] == [0.03] * len(steps)
+    assert [b.record.experts_moved for b in on] == [b.record.experts_moved for b in off]
 
 
 # ---- the runtime -------------------------------------------------------------------------
@@ -266,3 +325,46 @@ def _shift_body(rank, world, threshold):
 @pytest.mark.parametrize("threshold", [0.05, 0.0])
 def test_runtime_rebalances_early_once_after_a_shift(threshold):
     run_distributed(_shift_body, 2, threshold)
+
+
+def _drift_body(rank, world, threshold):
+    """After the first plan, the load drifts from experts 4, 5 towards two experts that plan
+    left alone on GPU 0: the plan at 16 is checked on steps 13-16 and re-plans with move
+    tolerance 0, not as a shift but as a drift; with detection off (threshold 0), not."""
+    device = device_for(rank)
+    rt = _runtime(dist.group.WORLD, device, threshold)
+    target, loads, noise = None, {}, None
+    for step in range(1, 17):
+        if target is None and rt.events:  # the same on every rank: the broadcast placement
+            p2l = rt.placement.physical_to_logical[0]  # [P]
+            reps = np.bincount(p2l, minlength=N)
+            only0 = set(p2l[:len(p2l) // 2].tolist()) - set(p2l[len(p2l) // 2:].tolist())
+            target, start = sorted(e for e in only0 if reps[e] == 1)[:2], step
+        x = 0.0 if target is None else (step - start) / 32
+        load = np.full((L, N), 10.0)
+        load[:, [4, 5]] += 400 * (1 - x)
+        if target is not None:
+            load[:, target] += 400 * x
+        loads[step] = load
+        rt.expert_load_pass.copy_(_physical(rt, load, rank).to(device))
+        event = rt.step()
+        if step == 16:
+            noise = rt.targets.shift.noise
+            assert event is not None and event.trigger == "interval"
+    rt.close()
+    # by hand: the counts of steps 13-16 (both ranks) under the plan of step 8
+    placed = rt.events[0].placement
+    counts = sum(_slot_counts(placed, loads[s]) for s in range(13, 17))  # [L, P]
+    gpu = 2 * counts.reshape(L, 2, -1).sum(-1)  # [L, M]
+    b = gpu.mean(1) / gpu.max(1)  # [L]
+    routing = np.mean(b * np.sqrt(2 * np.log(2) / gpu.max(1)))  # the check's, and the window's
+    variation = rt.events[0].balancedness_after.mean() - b.mean() - routing
+    assert noise == (pytest.approx(variation),)
+    assert variation > 0.03 + routing + 0.02  # drifting, with room
+    if rank == 0:
+        assert TOLERANCES == ([0.03, 0.0] if threshold else [0.03, 0.03]), TOLERANCES
+
+
+@pytest.mark.parametrize("threshold", [0.05, 0.0])
+def test_runtime_plans_a_drifting_load_with_tolerance_0(threshold):
+    run_distributed(_drift_body, 2, threshold)

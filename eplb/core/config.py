@@ -64,8 +64,11 @@ class EplbConfig:
     rebalances and the routing noise of the tokens checked,
     the load shifted: the next rebalance plans with move tolerance 0, and a check every
     `control_interval` steps may start one early rebalance between two other rebalances
-    (bounded rate: at most one per `rebalance_interval`). 0 = off: the schedule alone,
-    with `move_tolerance` always. Measured in benchmarks/README.md (issue 29)."""
+    (bounded rate: at most one per `rebalance_interval`). A load that drifts (every
+    recent check found the plan in force below its prediction by more than
+    `move_tolerance` plus the routing noise of the window planned on) is also planned with
+    move tolerance 0 (`planning.plan_tolerance`). 0 = off: the schedule alone, with
+    `move_tolerance` always. Measured in benchmarks/README.md (issue 29)."""
     read_tokens: float = DEFAULT_READ_TOKENS
     """Decode-aware packing (`eplb.core.policy.balanced.reads`): a slot that gets at least
     one token in a step reads its expert's weights once, which costs as much as this many

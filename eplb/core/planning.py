@@ -164,7 +164,16 @@ class ShiftState:
         (`sampling_gap` of what it measured); None before any check."""
         if not self.noise:
             return None
-        return min(max(g, 0.0) for g in self.noise) + float(sampling)
+        return self.variation + float(sampling)
+
+    @property
+    def variation(self) -> float | None:
+        """How far the load moved away from the plans in force on the last checks without
+        a shift, beyond routing noise (the smallest of them, at least 0); None before any
+        check. Small on a steady load, large on a load drifting faster than plans follow."""
+        if not self.noise:
+            return None
+        return min(max(g, 0.0) for g in self.noise)
 
     def shifted(self, measured: float, sampling: float, threshold: float = DEFAULT_SHIFT_THRESHOLD) -> bool:
         """Whether `measured` (balancedness of the placement in force on the load recorded
@@ -188,11 +197,20 @@ class ShiftState:
         return replace(self, predicted=float(predicted))
 
 
-def plan_tolerance(shifted: bool, move_tolerance: float) -> float:
+def plan_tolerance(shifted: bool, move_tolerance: float, variation: float | None = None,
+                   window_noise: float = 0.0) -> float:
     """The move tolerance to plan with: 0 (re-plan for balance, whatever it moves) after a
-    load shift, else `move_tolerance` (keep experts where the load is steady). Old layouts
-    are what a shift makes wrong, so keeping them costs most then."""
-    return 0.0 if shifted else move_tolerance
+    load shift, or when the load drifts; else `move_tolerance` (keep experts where the load
+    is steady). Old layouts are what a shift or a drift makes wrong, so keeping them costs
+    most then.
+
+    Drifting: the recent checks all found the plan in force further below its prediction
+    (`variation`, `ShiftState.variation`) than `move_tolerance` plus `window_noise`, the
+    routing noise of the window it is planned on (`sampling_gap` of its per-GPU counts): a
+    plan fits its window's noise, so on a steady load it measures below its prediction by
+    up to about that much, and re-planning then only chases noise."""
+    drifting = variation is not None and variation > move_tolerance + window_noise
+    return 0.0 if shifted or drifting else move_tolerance
 
 
 def check_min_gain(value: Any, name: str = "min_gain") -> float:

@@ -37,15 +37,17 @@ class RebalanceRecord:
     predicted: float  # in-sample imbalance: the planning window's load on the placement in force after
     predicted_gain: float = 0.0  # balancedness of the plan minus the placement in force, on the window
     skipped: bool = False  # the plan gained less than min_gain: nothing moved
-    shifted: bool = False  # a load shift was detected: planned with move tolerance 0
+    shifted: bool = False  # a load shift was detected: planned with move tolerance 0 (a drift too: see move_tolerance)
     early: bool = False  # an early rebalance between the scheduled ones (after a shift)
+    move_tolerance: float | None = None  # what it planned with (`planning.plan_tolerance`); None: not recorded
 
     def to_dict(self) -> dict:
         return {"step": self.step, "slots_changed": self.slots_changed,
                 "experts_moved": self.experts_moved, "local_copies": self.local_copies,
                 "bytes_moved": self.bytes_moved, "seconds_plan": self.seconds_plan,
                 "predicted_imbalance": self.predicted, "predicted_gain": self.predicted_gain,
-                "skipped": self.skipped, "shifted": self.shifted, "early": self.early}
+                "skipped": self.skipped, "shifted": self.shifted, "early": self.early,
+                "move_tolerance": self.move_tolerance}
 
 
 def rebalance_steps(num_steps: int, interval: int, start: int) -> list[int]:
@@ -144,7 +146,10 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
     checks, the plan uses move tolerance 0; and every `check_every` of a step served, the
     same check on the load served since the last plan may start one early rebalance per
     interval (bounded rate), planned with tolerance 0 on that load only (the load since the
-    shift). 0: the schedule alone.
+    shift). A scheduled plan on a drifting load also uses tolerance 0
+    (`planning.plan_tolerance`: the variation of the last checks above the move tolerance
+    plus the routing noise of the window, counted from the trace's own counts, which
+    carry the trace's noise whatever `tokens_per_step` says). 0: the schedule alone.
 
     `check_every`: the share of a trace step between two checks, as the runtime checks
     every `control_interval` model steps and a trace step stands for many (`eplb.core.scale`:
@@ -168,7 +173,8 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
     def plan_at(s: int, load: np.ndarray, shifted: bool, early: bool, lead: float = 0.0) -> None:  # load [L, N]
         nonlocal current, since, state
         t0 = time.perf_counter()
-        tol = plan_tolerance(shifted, plan_kwargs.get("move_tolerance", DEFAULT_MOVE_TOLERANCE))
+        tol = plan_tolerance(shifted, plan_kwargs.get("move_tolerance", DEFAULT_MOVE_TOLERANCE),
+                             state.variation, sampling_gap(current.gpu_loads(load)))  # the trace's counts
         planned = plan(load, M, P, policy=name, previous=current, **dict(plan_kwargs, move_tolerance=tol))
         move, gain = worth_moving(current, planned, load, min_gain)
         new = planned if move else current
@@ -176,7 +182,7 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
         st = transfer_stats(current.physical_to_logical, new.physical_to_logical, M, bytes_per_expert)
         rec = RebalanceRecord(s, st.slots_changed, st.experts_moved, st.local_copies, st.bytes_moved,
                               seconds, float(step_imbalance(load[None], new).mean()), gain, not move,
-                              shifted, early)
+                              shifted, early, tol)
         made.append((s, new, current, rec, lead))  # (start, placement, previous, record, lead)
         since = s  # checks measure from the last plan on (applied or skipped), as the runtime
         current, state = new, state.planned(np.mean(new.balancedness(load)))

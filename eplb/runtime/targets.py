@@ -88,7 +88,10 @@ class RebalanceTargets:
             if not early and steps > 0:  # a gap needs load measured since the last plan
                 self.shift = self.shift.checked(measured, noise, shifted)
             info["shifted"] = shifted
-            tol = plan_tolerance(shifted, config.move_tolerance)
+            variation = self.shift.variation if config.shift_threshold > 0 else None  # 0: detection off
+            window_noise = sampling_gap(realised(placement).gpu_loads(info["load"]))  # recorded counts
+            tol = plan_tolerance(shifted, config.move_tolerance, variation, window_noise)
+            info["move_tolerance"] = tol
             planned = self.planner.plan(info["load"], placement, plan_group, move_tolerance=tol,
                                         step_choices=info["step_choices"])
             # the same decision on every rank: same broadcast plan, same all-reduced load
