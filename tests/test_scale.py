@@ -325,6 +325,43 @@ def test_gpu_cost_mechanics_on_cpu():
         c.measure([1] * 5)
 
 
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available() and hasattr(torch, "_grouped_mm")
+
+
+@pytest.mark.skipif(not _cuda(), reason="times CUDA graphs: runs on the GPU machine")
+def test_gpu_cost_graph_timing_on_cuda():
+    """`_time_graph` against an independent timing of the same GEMM (50 launches queued
+    back to back between two events, no graph), and its repeat spread, on a decode-sized key."""
+    import torch
+    from eplb.core.cost_model import MODEL_PRESETS
+    from eplb.ops.gpu_cost import GpuGemmCost
+
+    shape = MODEL_PRESETS["deepseek-v3"]
+    c = GpuGemmCost(shape, max_slots=34, max_tokens=2048, device="cuda")
+    key = tuple(range(60, 27, -1))  # 33 slots, 1,452 tokens
+    graph = [c._time(key) for _ in range(5)]
+    S = len(key)
+    x, offs = c.x[:sum(key)], torch.tensor(key, device="cuda").cumsum(0).to(torch.int32)
+    w13, w2 = c.experts.w13[:S], c.experts.w2[:S]
+
+    def run():
+        gate, up = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        return torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(50):
+        run()
+    end.record()
+    end.synchronize()
+    queued = start.elapsed_time(end) * 1e-3 / 50
+    assert np.median(graph) == pytest.approx(queued, rel=0.1), (graph, queued)
+    assert (max(graph) - min(graph)) / np.median(graph) < 0.03, graph
+
+
 def test_bench_scale_plan_cache_round_trips(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:

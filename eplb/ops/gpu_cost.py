@@ -3,7 +3,8 @@
 
 One virtual GPU's expert work is the grouped GEMM of its local slots with their token
 counts, run by the reference model's kernel (`moe.experts.GroupedExperts`, bf16,
-`torch._grouped_mm`) and timed with CUDA events. Timing every GPU of every step, layer
+`torch._grouped_mm`) and timed with CUDA events over a CUDA graph of back-to-back runs
+(`GpuGemmCost._time_graph`). Timing every GPU of every step, layer
 and placement at EP 256 would take hours, so:
 
 1. an estimate ranks the GPUs of a layer: at first the sum over its slots of single-slot
@@ -34,6 +35,8 @@ from moe.experts import swiglu
 
 
 FIT_MIN = 200  # measured GEMMs before the estimate switches to the fitted model
+GRAPH_SECONDS = 0.003  # how long one timed CUDA graph replay should last (see _time_graph)
+MAX_INNER = 20  # the most runs one graph holds
 
 
 def features(c: np.ndarray) -> np.ndarray:  # [..., S] token counts -> [..., 5]
@@ -127,22 +130,48 @@ class GpuGemmCost:
                 swiglu(x[start:start + n], w13[s], w2[s])
                 start += n
 
-        times = []
         if self.device.type != "cuda":
+            times = []
             run_loop()  # warm-up
             for _ in range(self.reps):
                 t0 = time.perf_counter()
                 run_loop()
                 times.append(time.perf_counter() - t0)
             return float(np.median(times))
-        run()  # warm-up
+        return self._time_graph(run)
+
+    def _time_graph(self, run) -> float:
+        """Seconds of one `run()` on CUDA: the median over `reps` replays of a CUDA graph of
+        `inner` back-to-back runs, divided by `inner` (as many runs as fill GRAPH_SECONDS,
+        at most MAX_INNER). Timed one launch at a time, a decode GEMM's time varies by 2-3%
+        from one measurement to the next (launch gaps, timer jitter), enough to swing a
+        placement comparison by 1%; a graph's replays vary by 0.1-0.6%
+        (benchmarks/README.md, 2026-12-03 (fifth)). A model served with CUDA graphs has no
+        launch gaps either."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+            run()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        inner = int(min(MAX_INNER, max(1, round(GRAPH_SECONDS / max(start.elapsed_time(end) * 1e-3, 1e-7)))))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                run()
+        graph.replay()  # warm-up
+        times = []
         for _ in range(self.reps):
             start.record()
-            run()
+            graph.replay()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
+            times.append(start.elapsed_time(end) * 1e-3 / inner)
+        del graph
         return float(np.median(times))
 
     # ---- estimates ------------------------------------------------------------------
