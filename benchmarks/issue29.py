@@ -206,7 +206,7 @@ def _plan_job(args) -> str:
 
 
 def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path | None = None,
-        counts: str = "expected", seed: int = 0) -> dict:
+        counts: str = "expected", seed: int = 0, presets=tuple(TOKEN_PRESETS)) -> dict:
     link = LinkModel()
     doc = {"date": datetime.date.today().isoformat(), "cost": cost_kind, "shift_threshold": shift,
            "control_interval": CONTROL[0], "read_tokens": READS[0], "dispatch_tokens": READS[1],
@@ -217,9 +217,10 @@ def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path
         shape = MODEL_PRESETS[model]
         if model not in costs:
             costs[model] = {p: make_cost(cost_kind, shape, 1 + shape.num_experts // 8 + 1, t)
-                            for p, t in TOKEN_PRESETS.items()}
+                            for p, t in TOKEN_PRESETS.items() if p in presets}
         P = shape.num_experts + M
-        for preset, tokens in TOKEN_PRESETS.items():
+        for preset in presets:
+            tokens = TOKEN_PRESETS[preset]
             if plans is not None and not _plan_file(plans, model, name, M, shift, preset).exists():
                 print(f"{model} {name} EP {M} {preset}: not in {plans} (planning was cut short): left out",
                       flush=True)
@@ -289,16 +290,21 @@ def main() -> None:
                     help=f"decode-aware packing's price of a token more on the busiest GPU "
                          f"(default {EplbConfig.dispatch_tokens:g}, the runtime's)")
     ap.add_argument("--seed", type=int, default=0, help="--counts poisson: the draws' seed")
+    ap.add_argument("--presets", default=",".join(TOKEN_PRESETS),
+                    help=f"token presets to run (default {','.join(TOKEN_PRESETS)})")
     a = ap.parse_args()
     SHARED_DIR[0] = a.shared
     CONTROL[0] = a.control_interval
     READS[:] = [a.read_tokens, a.dispatch_tokens]
     eps, models, names = [int(x) for x in a.ep.split(",")], a.models.split(","), a.traces.split(",")
+    presets = a.presets.split(",")
+    if unknown := [p for p in presets if p not in TOKEN_PRESETS]:
+        ap.error(f"unknown preset {', '.join(unknown)} (known: {', '.join(TOKEN_PRESETS)})")
     if a.plan_only:
         if a.plans is None:
             ap.error("--plan-only needs --plans")
         jobs = [(m, n, M, a.shift_threshold, a.plans, p) for m, n, M in configs(eps, models, names)
-                for p in TOKEN_PRESETS]
+                for p in presets]
         jobs.sort(key=lambda j: -j[2])  # the largest EP first: they take longest
         import multiprocessing
         with multiprocessing.get_context("fork").Pool(max(1, a.jobs)) as pool:
@@ -307,7 +313,7 @@ def main() -> None:
         return
     if a.out is None:
         ap.error("--out is required (unless --plan-only)")
-    run(a.cost, a.out, a.shift_threshold, eps, models, names, a.plans, a.counts, a.seed)
+    run(a.cost, a.out, a.shift_threshold, eps, models, names, a.plans, a.counts, a.seed, presets)
 
 
 if __name__ == "__main__":
