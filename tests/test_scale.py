@@ -430,6 +430,10 @@ def test_bench_issue29_ratios_and_plan_cache(tmp_path):
         for k in ("tokens_per_s", "default_noshift", "moves_per_rebalance", "moves_per_rebalance_noshift",
                   "early_rebalances", "shifted_plans"):
             assert a[k] == b[k], k
+    decode = issue29.run("analytic", tmp_path / "c", 0.05, [8], ["deepseek-v3"], ["shift-zipf"],
+                         plans=tmp_path / "plans", presets=("decode",))  # --presets decode
+    assert [r["preset"] for r in decode["rows"]] == ["decode"]
+    assert decode["rows"][0]["tokens_per_s"] == direct["rows"][0]["tokens_per_s"]
 
 
 def test_cli_read_tokens_reaches_the_plans(tmp_path, capsys):
