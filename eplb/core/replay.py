@@ -198,17 +198,19 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
         return float(np.mean(balancedness_of_gpu_loads(gpu))), sampling_gap(gpu)
 
     def early_check(s: int, e: int) -> None:  # checks while steps [s, e) are served
+        served = np.zeros(trace.shape[1:])  # [L, N] the whole steps served since the plan
         for u in range(s, e):  # step u being served
             for frac in points:
                 if frac == 1.0 and u + 1 >= e:
                     return  # the check after the block's last step is the next scheduled plan's
-                load = trace[s:u].sum(0) + frac * trace[u]  # [L, N] served since the plan
+                load = served + frac * trace[u]  # [L, N] served since the plan
                 if state.shifted(*measured(load, (u - s) + frac), shift_threshold):
                     if frac == 1.0:  # after the whole step: the next step starts on the new placement
                         plan_at(u + 1, load, shifted=True, early=True)
                     else:
                         plan_at(u, load, shifted=True, early=True, lead=float(frac))
                     return  # one early rebalance per interval
+            served = served + trace[u]
 
     ends = list(steps[1:]) + [T]
     for s, e in zip(steps, ends):

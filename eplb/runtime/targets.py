@@ -131,10 +131,10 @@ class RebalanceTargets:
                        since_plan: bool = False) -> Callable[[], None]:
         """All-reduce the recorded window now (a collective, on the step loop) and return
         the function that fills `info` from it on the host: "load" [L, N], "before" [L],
-        "measured" [L] and "sampling" (shift detection's: the steps since the last plan, and
-        their routing noise) and
-        "step_choices" (token-expert choices per step and layer, what decode-aware
-        packing sets weight reads against: the load over the steps it covers). In
+        "measured" [L] and "sampling" (for shift detection: the balancedness of the steps
+        since the last plan, and their routing noise), and "step_choices" (token-expert
+        choices per step and layer, what decode-aware packing sets weight reads against:
+        the load over the steps it covers). In
         asynchronous mode that function runs in the rebalance thread, after the
         all-reduce's kernels, so the step loop never waits for the copy."""
         logical, gpu = self.recorder.window_load(self.group, decay=config.load_decay,
