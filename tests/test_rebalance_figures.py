@@ -172,6 +172,8 @@ def _figures_body(rank, world, mode):
     assert event.predicted_gain == pytest.approx(want_after.mean() - want_initial.mean(), abs=1e-9)
     if mode != "apply":
         assert event.seconds_plan > 0
+    assert event.move_tolerance == (None if mode == "apply" else config.move_tolerance)  # apply: no plan
+    assert event.describe().endswith("" if mode == "apply" else ", move tolerance 0.03"), event.describe()
     if not mode.startswith("async"):
         assert event.steps_in_flight == 0
     line = f"{want_before.mean():.4f} -> {want_after.mean():.4f} (predicted)"
@@ -195,6 +197,7 @@ def _figures_body(rank, world, mode):
             assert got["balancedness_before"] == pytest.approx(want_before.mean(), abs=1e-9)
             assert got["balancedness_after"] == pytest.approx(want_after.mean(), abs=1e-9)
             assert got["predicted_gain"] == pytest.approx(event.predicted_gain, abs=1e-12)
+            assert got["move_tolerance"] == config.move_tolerance == 0.03  # detection off: the config's
             assert got["outcome"] == "success" and got["skipped"] is False
             # what `eplb trigger --wait` prints for it
             assert describe_status(status).startswith(

@@ -304,6 +304,7 @@ def _shift_body(rank, world, threshold):
     else:
         assert triggers == [(8, "interval"), (16, "interval"), (24, "interval")], triggers
         want = [0.03, 0.03, 0.03]
+    assert [e.move_tolerance for e in rt.events] == want  # what the events report, every rank
     if rank == 0:
         assert TOLERANCES == want, TOLERANCES
         if threshold:  # the early plan saw the load since the shift only: steps 17, 18 of both ranks
@@ -361,8 +362,12 @@ def _drift_body(rank, world, threshold):
     variation = rt.events[0].balancedness_after.mean() - b.mean() - routing
     assert noise == (pytest.approx(variation),)
     assert variation > 0.03 + routing + 0.02  # drifting, with room
+    want = [0.03, 0.0] if threshold else [0.03, 0.03]
     if rank == 0:
-        assert TOLERANCES == ([0.03, 0.0] if threshold else [0.03, 0.03]), TOLERANCES
+        assert TOLERANCES == want, TOLERANCES
+    assert [e.move_tolerance for e in rt.events] == want  # what the events report, every rank
+    assert rt.events[1].describe().endswith(f", move tolerance {want[1]:g}")
+    assert rt.events[1].summary()["move_tolerance"] == want[1]
 
 
 @pytest.mark.parametrize("threshold", [0.05, 0.0])

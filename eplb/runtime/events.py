@@ -91,13 +91,17 @@ class RebalanceEvent:
     skipped: bool = False
     min_gain: float = 0.0
     skip_reason: str = ""  # set when skipped for another reason than the gain (NO_LOAD)
+    # the move tolerance the plan used: the config's, or 0 after a load shift or on a
+    # drifting load (`planning.plan_tolerance`); None when nothing was planned (a given
+    # placement, or no load)
+    move_tolerance: float | None = None
 
     @classmethod
     def of_change(cls, stats: ChangeStats, moved: TransferStats, *, step: int, trigger: str,
                   before: np.ndarray, after: np.ndarray, placement: Placement,
                   bytes_per_expert: int, seconds_plan: float, asynchronous: bool,
                   predicted_gain: float, skipped: bool, min_gain: float,
-                  skip_reason: str = "") -> "RebalanceEvent":
+                  skip_reason: str = "", move_tolerance: float | None = None) -> "RebalanceEvent":
         """The event of a finished change: its timers from `stats` (this rank's), what
         moved from `moved` (all ranks, `transfer_stats` of the two placements), the
         figures of the plan (`before`, `after` [L], gain, skip) from the caller."""
@@ -111,7 +115,7 @@ class RebalanceEvent:
             steps_in_flight=stats.steps if asynchronous else 0,
             seconds_step_loop=stats.seconds_step_loop, max_step_loop_seconds=stats.max_step_loop,
             seconds_agree_wait=stats.seconds_agree_wait, predicted_gain=predicted_gain,
-            skipped=skipped, min_gain=min_gain, skip_reason=skip_reason)
+            skipped=skipped, min_gain=min_gain, skip_reason=skip_reason, move_tolerance=move_tolerance)
 
     @property
     def seconds(self) -> float:
@@ -124,7 +128,7 @@ class RebalanceEvent:
 
     def describe(self) -> str:
         """One line for logs and consoles, e.g. `rebalance at step 50 (interval): balancedness
-        0.868 -> 0.984 (predicted), 20 experts moved (0.98 MB) in 0.044 s`."""
+        0.868 -> 0.984 (predicted), 20 experts moved (0.98 MB) in 0.044 s, move tolerance 0.03`."""
         head = f"rebalance at step {self.step} ({self.trigger})"
         before = float(np.mean(self.balancedness_before))
         if self.skipped:
@@ -136,7 +140,8 @@ class RebalanceEvent:
         return (f"{head}: balancedness {before:.4f} -> {float(np.mean(self.balancedness_after)):.4f} "
                 f"(predicted), {self.experts_moved} experts moved ({self.bytes_moved / 1e6:.2f} MB) "
                 f"in {self.seconds:.3f} s"
-                + (f" over {self.steps_in_flight} steps" if self.steps_in_flight else ""))
+                + (f" over {self.steps_in_flight} steps" if self.steps_in_flight else "")
+                + (f", move tolerance {self.move_tolerance:g}" if self.move_tolerance is not None else ""))
 
     def summary(self) -> dict:
         """JSON-ready figures of this rebalance (no placement)."""
@@ -152,5 +157,5 @@ class RebalanceEvent:
             "seconds_commit": self.seconds_commit, "steps_in_flight": self.steps_in_flight,
             "seconds_step_loop": self.seconds_step_loop,
             "max_step_loop_seconds": self.max_step_loop_seconds,
-            "seconds_agree_wait": self.seconds_agree_wait,
+            "seconds_agree_wait": self.seconds_agree_wait, "move_tolerance": self.move_tolerance,
         }
