@@ -342,14 +342,19 @@ def _round_trip_body(rank, world):
         runtime = None
     assert res.experts_moved > 0
 
-    # grow back; old members take their runtime's config, the joiners pass it
-    load = np.random.default_rng(3).random((args.num_layers, args.num_experts)) * 100  # [L, N]
-    load[:, 2] *= 30  # one hot expert per layer
+    # grow back; old members take their runtime's config, the joiners pass it. The load
+    # adds up 100 steps: one step is 1% of it, few enough tokens that decode-aware packing
+    # spreads the cold experts' weight reads (it changes this plan)
+    load = np.random.default_rng(2).lognormal(0, 3, (args.num_layers, args.num_experts)) * 10  # [L, N]
     res = resize_expert_parallel(model, half, everyone, runtime=runtime,
-                                 config=None if rank in half else cfg, load=load)
+                                 config=None if rank in half else cfg, load=load, load_steps=100)
     rt = res.runtime
     assert res.member and rt.world_size == world and model.num_local_physical_experts == 12 // world
-    want = plan(load, world, 12, 1, 1, cfg.policy, move_tolerance=cfg.move_tolerance)
+    per_step = load.sum() / args.num_layers / 100  # token-expert choices per step and layer
+    want = plan(load, world, 12, 1, 1, cfg.policy, move_tolerance=cfg.move_tolerance,
+                read_tokens=cfg.read_tokens, step_choices=per_step, dispatch_tokens=cfg.dispatch_tokens)
+    tokens_only = plan(load, world, 12, 1, 1, cfg.policy, move_tolerance=cfg.move_tolerance)
+    assert not np.array_equal(want.physical_to_logical, tokens_only.physical_to_logical)
     assert np.array_equal(rt.placement.physical_to_logical, want.physical_to_logical)
     _check_slots(args, rt, device)
     _check_outputs(args, model, reference, rank, device, steps=range(20, 27), runtime=rt)
@@ -506,6 +511,8 @@ def _bad_requests_body(rank, world):
             (dict(new_ranks=[0, 7]), r"new_ranks: ranks \[7\] outside \[0, 4\)"),
             (dict(new_ranks=everyone), "nothing to resize"),
             (dict(new_ranks=[0, 1], load="recent"), "load: must be None, 'window'"),
+            (dict(new_ranks=[0, 1], load="window", load_steps=10), "load_steps: only with an"),
+            (dict(new_ranks=[0, 1], load=np.ones((2, 8)), load_steps=0), "load_steps: must be a number > 0"),
             (dict(new_ranks=[0, 1], num_physical_experts=0), "num_physical_experts: must be an int")):
         with pytest.raises(ValueError, match=match):
             resize_expert_parallel(model, kw.pop("old_ranks", everyone), runtime=runtime, **kw)

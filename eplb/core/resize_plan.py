@@ -221,7 +221,8 @@ LOAD_KINDS = {None: 0, "window": 1, "array": 2}
 
 
 def check_request(old_ranks, new_ranks, world_size: int, num_physical_experts=None,
-                  load=None, ranks_per_node=None) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+                  load=None, ranks_per_node=None,
+                  load_steps=None) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     """The checks one rank can make alone (ValueError): returns the sorted old and new
     ranks and the kind of load (`LOAD_KINDS`)."""
     old_ranks = _rank_list("old_ranks", old_ranks, world_size)
@@ -239,6 +240,12 @@ def check_request(old_ranks, new_ranks, world_size: int, num_physical_experts=No
                              f"over {M} new ranks; try {f'{lo} or {hi}' if lo else hi}")
     if isinstance(load, str) and load != "window":
         raise ValueError(f"load: must be None, 'window' or an [L, N] array, got {load!r}")
+    if load_steps is not None:
+        if load is None or isinstance(load, str):
+            raise ValueError(f"load_steps: only with an [L, N] load (the window knows its steps), "
+                             f"got load={load!r}")
+        if isinstance(load_steps, bool) or not isinstance(load_steps, (int, float)) or not load_steps > 0:
+            raise ValueError(f"load_steps: must be a number > 0, got {load_steps!r}")
     if ranks_per_node is not None and (isinstance(ranks_per_node, bool)
                                        or not isinstance(ranks_per_node, int) or ranks_per_node < 1):
         raise ValueError(f"ranks_per_node: must be an int >= 1, got {ranks_per_node!r}")

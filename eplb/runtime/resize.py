@@ -98,6 +98,7 @@ class _Request:
     new_ranks: tuple[int, ...]
     num_physical_experts: int | None
     load: Any
+    load_steps: float | None  # the steps an array load adds up (decode-aware packing)
     kind: int  # eplb.core.resize_plan.LOAD_KINDS
     verify: bool
     ranks_per_node: int | None
@@ -155,6 +156,7 @@ def _destroy(*groups) -> None:
 def resize_expert_parallel(model, old_ranks: Sequence[int], new_ranks: Sequence[int], *,
                            runtime=None, config: EplbConfig | None = None,
                            num_physical_experts: int | None = None, load: Any = None,
+                           load_steps: float | None = None,
                            verify: bool = True, ranks_per_node: int | None = None,
                            transfer_hook: TransferHook | None = None) -> ResizeResult:
     """Move the EP group from the global ranks `old_ranks` to `new_ranks` (planned: all
@@ -174,7 +176,10 @@ def resize_expert_parallel(model, old_ranks: Sequence[int], new_ranks: Sequence[
     load: None (the new group starts on `Placement.initial`), "window" (plan on the old
         runtime's recorded window: a collective over the old group) or a logical load
         [L, N] (read on the first old rank); with a load the new runtime then moves to
-        `plan(load, M_new, P_new, ...)` with the config's policy.
+        `plan(load, M_new, P_new, ...)` with the config's policy, move tolerance and, when
+        one step's load is known (the window's steps, or `load_steps`), decode-aware packing.
+    load_steps: the steps an array `load` adds up (its sum over them is one step's token-
+        expert choices, as a rebalance's window); None: not known, packing off.
     verify: compare every new slot's checksum with its expert's old one (one all_gather);
         a mismatch raises ResizeVerificationError on every rank.
     ranks_per_node: for the same-node sender preference and the new group's node count;
@@ -190,7 +195,7 @@ def resize_expert_parallel(model, old_ranks: Sequence[int], new_ranks: Sequence[
         raise ValueError("resize_expert_parallel: torch.distributed is not initialized")
     world, me = dist.get_world_size(), dist.get_rank()
     old_ranks, new_ranks, kind = check_request(old_ranks, new_ranks, world, num_physical_experts,
-                                               load, ranks_per_node)
+                                               load, ranks_per_node, load_steps)
     if ranks_per_node is None:
         ranks_per_node = _ranks_per_node(world)
 
@@ -208,7 +213,7 @@ def resize_expert_parallel(model, old_ranks: Sequence[int], new_ranks: Sequence[
     if me not in union:
         return ResizeResult(False, None, None, None, old_ranks, new_ranks,
                             num_physical_experts or 0, 0, 0, 0, time.perf_counter() - t0)
-    rq = _Request(model, runtime, cfg, old_ranks, new_ranks, num_physical_experts, load, kind,
+    rq = _Request(model, runtime, cfg, old_ranks, new_ranks, num_physical_experts, load, load_steps, kind,
                   bool(verify), ranks_per_node, union_group, new_group, groups, device,
                   transfer_hook, t0)
     try:
@@ -278,10 +283,11 @@ def _plan(rq: _Request, sz: ResizeSizes, new_cfg: EplbConfig | None) -> _Plans:
     """The first old rank sends the placement in force and, given a load, the one planned
     for the new size (`broadcast_arrays`: a planning error fails every rank); every rank
     then plans the transfer into `Placement.initial` of the new size."""
-    window = None
+    window, steps = None, rq.load_steps
     if rq.kind == 1 and rq.is_old:  # collective over the old group
         rt = rq.runtime
         window, _ = rt.recorder.window_load(rt.group, decay=rt.config.load_decay)
+        steps = rt.recorder.window_steps(rt.config.load_decay)
     L, N, M_new = sz.L, sz.N, len(rq.new_ranks)
 
     def make():  # on the first old rank only
@@ -292,8 +298,12 @@ def _plan(rq: _Request, sz: ResizeSizes, new_cfg: EplbConfig | None) -> _Plans:
             raise ValueError(f"load: shape {list(source.shape)} does not fit the model's "
                              f"[L, N] = [{L}, {N}]")
         cfg = new_cfg.verify(N, M_new, num_physical_experts=sz.P_new)
+        choices = float(source.sum(1).mean()) / steps if steps else 0.0  # per step and layer
+        reads = cfg.read_tokens if choices > 0 else 0.0  # as a rebalance (Rank0Planner.plan_here)
         planned = plan(source, M_new, sz.P_new, cfg.num_nodes, rq.model.num_expert_groups,
-                       cfg.policy, move_tolerance=cfg.move_tolerance, weighted=cfg.weighted_replicas)
+                       cfg.policy, move_tolerance=cfg.move_tolerance, weighted=cfg.weighted_replicas,
+                       read_tokens=reads, step_choices=choices if reads > 0 else 0.0,
+                       dispatch_tokens=cfg.dispatch_tokens)
         return rq.runtime.placement.physical_to_logical, planned.physical_to_logical, planned.shares
 
     root = rq.old_ranks[0]
