@@ -37,9 +37,9 @@ class RebalanceRecord:
     predicted: float  # in-sample imbalance: the planning window's load on the placement in force after
     predicted_gain: float = 0.0  # balancedness of the plan minus the placement in force, on the window
     skipped: bool = False  # the plan gained less than min_gain: nothing moved
-    shifted: bool = False  # a load shift was detected: planned with move tolerance 0 (a drift too: see move_tolerance)
+    shifted: bool = False  # a load shift was detected: planned with move tolerance 0
     early: bool = False  # an early rebalance between the scheduled ones (after a shift)
-    move_tolerance: float | None = None  # what it planned with (`planning.plan_tolerance`); None: not recorded
+    move_tolerance: float | None = None  # what it planned with (0 after a shift or on a drift); None: not recorded
 
     def to_dict(self) -> dict:
         return {"step": self.step, "slots_changed": self.slots_changed,

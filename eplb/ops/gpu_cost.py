@@ -143,10 +143,10 @@ class GpuGemmCost:
     def _time_graph(self, run) -> float:
         """Seconds of one `run()` on CUDA: the median over `reps` replays of a CUDA graph of
         `inner` back-to-back runs, divided by `inner` (as many runs as fill GRAPH_SECONDS,
-        at most MAX_INNER). Timed one launch at a time, a decode GEMM's time varies by 2-3%
-        from one measurement to the next (launch gaps, timer jitter), enough to swing a
-        placement comparison by 1%; a graph's replays vary by 0.1-0.6%
-        (benchmarks/README.md, 2026-12-03 (fifth)). A model served with CUDA graphs has no
+        at most MAX_INNER). Timed one launch at a time (median of 3), a decode GEMM's time
+        varied by about 1.5% from one measurement to the next on an H200 (launch gaps, timer
+        jitter), enough to swing a placement comparison by 1%; this way by about 0.25%
+        (benchmarks/gpu_timing_noise.py; benchmarks/README.md, 2026-12-03 (fifth)). A model served with CUDA graphs has no
         launch gaps either."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         side = torch.cuda.Stream(self.device)
