@@ -33,16 +33,7 @@ from eplb.ops.gpu_cost import GpuGemmCost  # noqa: E402
 
 def launch_time(cost: GpuGemmCost, key: tuple[int, ...], reps: int = 3) -> float:
     """Seconds of one grouped GEMM of `key`, one launch at a time, median of `reps`."""
-    S = len(key)
-    w13, w2 = cost.experts.w13[:S], cost.experts.w2[:S]
-    x = cost.x[:int(sum(key))]
-    offs = torch.tensor(key, device=cost.device).cumsum(0).to(torch.int32)
-
-    def run() -> torch.Tensor:
-        gate_up = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
-
+    run = cost.gemm(key)
     run()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []

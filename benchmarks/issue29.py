@@ -258,6 +258,9 @@ def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path
     if cost_kind == "gpu":
         doc["gpu"] = {m: {p: c.stats() for p, c in cs.items()} for m, cs in costs.items()}
         (out / "issue29.json").write_text(json.dumps(doc) + "\n")
+        # every measured GEMM (sorted token counts, seconds), to fit or check cost models offline
+        (out / "gemms.json").write_text(json.dumps(
+            {m: {p: c.measured() for p, c in cs.items()} for m, cs in costs.items()}) + "\n")
     return doc
 
 

@@ -325,6 +325,26 @@ def test_gpu_cost_mechanics_on_cpu():
         c.measure([1] * 5)
 
 
+def test_gpu_cost_gemm_is_the_slots_expert_work_on_cpu():
+    """`gemm(key)` (what `_time` times) computes each slot's SwiGLU on its own token rows,
+    checked against the formula written out here."""
+    import torch
+    from eplb.ops.gpu_cost import GpuGemmCost
+    c = GpuGemmCost(TINY, max_slots=4, max_tokens=64, device="cpu", bucket=1, reps=1)
+    key = (5, 3, 1)
+    got = c.gemm(key)()  # [9, H]
+    x = c.x[:9].float()
+    rows = []
+    for s, (a, b) in enumerate(((0, 5), (5, 8), (8, 9))):
+        w13, w2 = c.experts.w13[s].float(), c.experts.w2[s].float()  # [2I, H], [H, I]
+        h = x[a:b] @ w13.T
+        g, u = h[:, :TINY.intermediate], h[:, TINY.intermediate:]
+        rows.append((g * torch.sigmoid(g) * u) @ w2.T)
+    want = torch.cat(rows)
+    assert got.shape == (9, TINY.hidden) and want.abs().max() > 0
+    assert ((got.float() - want).abs().max() / want.abs().max()) < 0.03  # bf16 rounding
+
+
 def _cuda() -> bool:
     import torch
     return torch.cuda.is_available() and hasattr(torch, "_grouped_mm")
@@ -342,14 +362,15 @@ def test_gpu_cost_graph_timing_on_cuda():
     c = GpuGemmCost(shape, max_slots=34, max_tokens=2048, device="cuda")
     key = tuple(range(60, 27, -1))  # 33 slots, 1,452 tokens
     graph = [c._time(key) for _ in range(5)]
-    S = len(key)
-    x, offs = c.x[:sum(key)], torch.tensor(key, device="cuda").cumsum(0).to(torch.int32)
-    w13, w2 = c.experts.w13[:S], c.experts.w2[:S]
-
-    def run():
-        gate, up = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-        return torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
-
+    run = c.gemm(key)  # the same work, timed here without a graph
+    got, start, err = run().float(), 0, 0.0  # [1452, H]: each slot's SwiGLU, checked per slot in fp32
+    for s, n in enumerate(key):
+        h = c.x[start:start + n].float() @ c.experts.w13[s].float().T  # [n, 2I]
+        g, u = h.chunk(2, dim=-1)
+        want = (g * torch.sigmoid(g) * u) @ c.experts.w2[s].float().T  # [n, H]
+        err = max(err, float((got[start:start + n] - want).abs().max() / want.abs().max()))
+        start += n
+    assert err < 0.03, err  # bf16 rounding
     run()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -403,6 +424,11 @@ def test_gpu_cost_switches_to_a_fitted_estimate():
     counts = np.array([[[5, 0, 2], [40, 30, 1]]])
     want = [1, 2, 7, 2, 2] @ coef, [1, 3, 71, 3, 3] @ coef
     assert np.allclose(c.estimate(counts)[0], want)
+    fit = c.stats()["fit"]  # what users read: seconds per feature, the lstsq above
+    assert list(fit) == ["launch", "slots_with_tokens", "tokens", "tiles64", "tiles128"]
+    assert np.allclose(list(fit.values()), coef)
+    table = dict((tuple(k), t) for k, t in c.measured())
+    assert all(table[k] == c.cache[k] for k in keys) and len(table) == len(c.cache)
 
 
 def test_bench_issue29_ratios_and_plan_cache(tmp_path):

@@ -39,6 +39,9 @@ GRAPH_SECONDS = 0.003  # how long one timed CUDA graph replay should last (see _
 MAX_INNER = 20  # the most runs one graph holds
 
 
+FEATURES = ("launch", "slots_with_tokens", "tokens", "tiles64", "tiles128")  # the columns of `features`
+
+
 def features(c: np.ndarray) -> np.ndarray:  # [..., S] token counts -> [..., 5]
     """What a grouped GEMM's time depends on: a launch, the slots with tokens (weight
     reads), the tokens (FLOPs), and the 64- and 128-row tiles the kernel pads each group to."""
@@ -111,34 +114,46 @@ class GpuGemmCost:
             self._fit()
         return t
 
-    def _time(self, key: tuple[int, ...]) -> float:
+    def gemm(self, key: tuple[int, ...]):
+        """The work of one virtual GPU holding slots with token counts `key`, as a function
+        of no arguments that returns the output rows [sum(key), H]: on CUDA the reference model's grouped GEMM
+        (`GroupedExperts.forward_grouped_mm`) over the first len(key) slots, elsewhere its
+        CPU path (`forward_loop`: `swiglu` per slot). What `_time` times; the benchmarks and
+        the CUDA test call it to time the same work their own way."""
         S = len(key)
-        sub = self.experts  # the first S slots' weights, no copy
-        w13, w2 = sub.w13[:S], sub.w2[:S]
-        counts = torch.tensor(key, dtype=torch.int64, device=self.device)
-        x = self.x[:int(sum(key))]
-        offs = counts.cumsum(0).to(torch.int32)
+        w13, w2 = self.experts.w13[:S], self.experts.w2[:S]  # the first S slots' weights, no copy
+        x = self.x[:int(sum(key))]  # [sum(key), H]
+        if self.device.type != "cuda":
+            out = torch.empty_like(x)  # [sum(key), H]
 
-        def run() -> torch.Tensor:  # GroupedExperts.forward_grouped_mm on the first S slots
+            def run_loop() -> torch.Tensor:
+                start = 0
+                for s, n in enumerate(key):
+                    out[start:start + n] = swiglu(x[start:start + n], w13[s], w2[s])
+                    start += n
+                return out
+            return run_loop
+        offs = torch.tensor(key, dtype=torch.int64, device=self.device).cumsum(0).to(torch.int32)
+
+        def run() -> torch.Tensor:
             gate_up = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)
             gate, up = gate_up.chunk(2, dim=-1)
             return torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+        return run
 
-        def run_loop() -> None:  # GroupedExperts.forward_loop (the CPU path), first S slots
-            start = 0
-            for s, n in enumerate(key):
-                swiglu(x[start:start + n], w13[s], w2[s])
-                start += n
-
-        if self.device.type != "cuda":
-            times = []
-            run_loop()  # warm-up
-            for _ in range(self.reps):
-                t0 = time.perf_counter()
-                run_loop()
-                times.append(time.perf_counter() - t0)
-            return float(np.median(times))
-        return self._time_graph(run)
+    def _time(self, key: tuple[int, ...]) -> float:
+        """Seconds of `gemm(key)`: over a CUDA graph on CUDA (`_time_graph`), else the
+        median of `reps` perf_counter timings after a warm-up."""
+        run = self.gemm(key)
+        if self.device.type == "cuda":
+            return self._time_graph(run)
+        run()  # warm-up
+        times = []
+        for _ in range(self.reps):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
 
     def _time_graph(self, run) -> float:
         """Seconds of one `run()` on CUDA: the median over `reps` replays of a CUDA graph of
@@ -173,6 +188,10 @@ class GpuGemmCost:
             times.append(start.elapsed_time(end) * 1e-3 / inner)
         del graph
         return float(np.median(times))
+
+    def measured(self) -> list[tuple[list[int], float]]:
+        """Every GEMM measured so far: (its sorted, bucketed token counts, seconds)."""
+        return [(list(k), t) for k, t in self.cache.items()]
 
     # ---- estimates ------------------------------------------------------------------
     def _calibrate(self) -> tuple[np.ndarray, np.ndarray]:
@@ -230,4 +249,6 @@ class GpuGemmCost:
                 "audited_layers": len(self.audits), "audit_min_ratio": float(audits.min()),
                 "audit_p5_ratio": float(q[0]), "audit_median_ratio": float(q[1]),
                 "audit_exact_fraction": float(np.mean(audits >= 1 - 1e-12)),
+                # the fitted estimate: seconds per feature (None before FIT_MIN GEMMs ran)
+                "fit": None if self.coef is None else dict(zip(FEATURES, self.coef.tolist())),
                 "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"}
