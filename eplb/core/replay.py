@@ -173,19 +173,21 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
     def plan_at(s: int, load: np.ndarray, shifted: bool, early: bool, lead: float = 0.0) -> None:  # load [L, N]
         nonlocal current, since, state
         t0 = time.perf_counter()
+        variation = state.variation  # None before any check (shift detection off): no drift rule
+        window_noise = 0.0 if variation is None else sampling_gap(current.gpu_loads(load))  # the trace's counts
         tol = plan_tolerance(shifted, plan_kwargs.get("move_tolerance", DEFAULT_MOVE_TOLERANCE),
-                             state.variation, sampling_gap(current.gpu_loads(load)))  # the trace's counts
+                             variation, window_noise)
         planned = plan(load, M, P, policy=name, previous=current, **dict(plan_kwargs, move_tolerance=tol))
         move, gain = worth_moving(current, planned, load, min_gain)
         new = planned if move else current
         seconds = time.perf_counter() - t0
         st = transfer_stats(current.physical_to_logical, new.physical_to_logical, M, bytes_per_expert)
+        balance = new.balancedness(load)  # [L] mean / max GPU load on the window planned on
         rec = RebalanceRecord(s, st.slots_changed, st.experts_moved, st.local_copies, st.bytes_moved,
-                              seconds, float(step_imbalance(load[None], new).mean()), gain, not move,
-                              shifted, early, tol)
+                              seconds, float(np.mean(1.0 / balance)), gain, not move, shifted, early, tol)
         made.append((s, new, current, rec, lead))  # (start, placement, previous, record, lead)
         since = s  # checks measure from the last plan on (applied or skipped), as the runtime
-        current, state = new, state.planned(np.mean(new.balancedness(load)))
+        current, state = new, state.planned(float(np.mean(balance)))
         if progress:
             progress()
 

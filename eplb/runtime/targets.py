@@ -89,7 +89,8 @@ class RebalanceTargets:
                 self.shift = self.shift.checked(measured, noise, shifted)
             info["shifted"] = shifted
             variation = self.shift.variation if config.shift_threshold > 0 else None  # 0: detection off
-            window_noise = sampling_gap(realised(placement).gpu_loads(info["load"]))  # recorded counts
+            # the routing noise of the recorded counts: only the drift rule reads it
+            window_noise = 0.0 if variation is None else sampling_gap(realised(placement).gpu_loads(info["load"]))
             tol = plan_tolerance(shifted, config.move_tolerance, variation, window_noise)
             info["move_tolerance"] = tol
             planned = self.planner.plan(info["load"], placement, plan_group, move_tolerance=tol,
