@@ -1,0 +1,138 @@
+"""Issue 29: the `--cost gpu` replay on a CPU, from the GEMM times an H200 run measured.
+
+`benchmarks/issue29.py --cost gpu` writes `issue29.json` (whose `gpu.<model>.<preset>.fit`
+is `GpuGemmCost`'s least-squares fit: seconds per launch, slot with tokens, token, 64- and
+128-row tile) and `gemms.json` (every GEMM it timed). This script replays one
+configuration with that fit as the expert cost (`FittedCost`), so that planner changes can
+be tried against GPU-like costs without a GPU, and says why a placement is slower on it:
+
+- the fit's error on the measured GEMMs (median and 95th percentile, relative);
+- tokens/s of the default over deepseek's, and moves per rebalance, at each
+  `--tolerances` move tolerance;
+- for the default at each tolerance and for deepseek, over the scored steps: the busiest
+  GPU's tokens over the mean (what the planner balances), its fitted cost over the mean
+  (what the GPU pays), and the 128-row tiles beyond one per slot on the busiest GPU and on
+  all GPUs (a slot with more than 128 tokens streams its weights again per tile).
+
+    python benchmarks/diag/issue29_fitted_gpu.py \\
+        --fit benchmarks/results/2026-12-03-issue29-gpu-ep8-64/ep8/issue29.json \\
+        --gemms benchmarks/results/2026-12-03-issue29-gpu-ep8-64/ep8/gemms.json.gz \\
+        --trace steady-lognormal --ep 8
+
+Plans are made here (the CPU part); the runtime's defaults, decode preset, DeepSeek-V3.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE.parent))
+
+from eplb.core.cost_model import MODEL_PRESETS, LinkModel  # noqa: E402
+from eplb.core.scale import plan_scale, scale_replay, slot_counts  # noqa: E402
+from eplb.ops.gpu_cost import FEATURES, features  # noqa: E402
+import issue29  # noqa: E402
+
+TILE = 128
+
+
+class FittedCost:
+    """An `ExpertCost` from a `GpuGemmCost` fit: `features(counts) @ coef` seconds per GPU."""
+
+    def __init__(self, fit: dict) -> None:
+        self.coef = np.array([fit[k] for k in FEATURES])  # [F]
+
+    def __call__(self, shape, counts: np.ndarray) -> np.ndarray:  # [L, M, S] -> [L, M]
+        c = np.asarray(counts, dtype=np.float64)
+        return np.where(c.sum(-1) > 0, features(c) @ self.coef, 0.0)
+
+
+def fit_error(cost: FittedCost, gemms: list) -> tuple[float, float]:
+    """(median, 95th percentile) of |fitted / measured - 1| over the measured GEMMs."""
+    X = np.array([features(np.array(k, dtype=np.float64)) for k, _ in gemms])  # [K, F]
+    y = np.array([t for _, t in gemms])  # [K]
+    err = np.abs(X @ cost.coef / y - 1)
+    return float(np.median(err)), float(np.percentile(err, 95))
+
+
+def breakdown(trace: np.ndarray, blocks, M: int, choices: int, cost: FittedCost, shape) -> dict:
+    """Mean over the scored steps (and layers) of the busiest GPU's tokens / mean, fitted
+    cost / mean, and the 128-row tiles beyond one per slot: on the busiest GPU, in all."""
+    shares = trace / np.maximum(trace.sum(-1, keepdims=True), 1e-300)  # [T, L, N]
+    tok, cst, top, tot = [], [], [], []
+    for b in blocks:
+        for t in range(b.start, b.end):
+            c = slot_counts(shares[t], b.placement, choices, None)  # [L, M, S]
+            g = c.sum(-1)  # [L, M]
+            tok.append(np.mean(g.max(-1) / g.mean(-1)))
+            f = cost(shape, c)  # [L, M]
+            cst.append(np.mean(f.max(-1) / f.mean(-1)))
+            extra = (np.ceil(c / TILE) - (c > 0)).sum(-1)  # [L, M] tiles beyond the first
+            top.append(np.mean(extra[np.arange(len(f)), f.argmax(-1)]))
+            tot.append(np.mean(extra.sum(-1)))
+    return {"tokens_max_over_mean": float(np.mean(tok)), "cost_max_over_mean": float(np.mean(cst)),
+            "extra_tiles_busiest": float(np.mean(top)), "extra_tiles_all": float(np.mean(tot))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fit", type=Path, required=True, help="issue29.json of a --cost gpu run")
+    ap.add_argument("--gemms", type=Path, default=None, help="its gemms.json(.gz): to report the fit's error")
+    ap.add_argument("--trace", default="steady-lognormal")
+    ap.add_argument("--ep", type=int, default=8)
+    ap.add_argument("--tolerances", default="0.03,0.01,0")
+    ap.add_argument("--shared", type=Path, default=issue29.SHARED)
+    ap.add_argument("--out", type=Path, default=None, help="write fitted_gpu.json here")
+    a = ap.parse_args()
+    issue29.SHARED_DIR[0] = a.shared
+    model, preset = "deepseek-v3", "decode"
+    shape = MODEL_PRESETS[model]
+    cost = FittedCost(json.loads(a.fit.read_text())["gpu"][model][preset]["fit"])
+    doc: dict = {"fit": dict(zip(FEATURES, cost.coef.tolist())), "trace": a.trace, "ep": a.ep, "rows": []}
+    if a.gemms is not None:
+        opener = gzip.open if a.gemms.suffix == ".gz" else open
+        with opener(a.gemms, "rt") as f:
+            gemms = json.load(f)[model][preset]
+        doc["fit_error_median"], doc["fit_error_p95"] = fit_error(cost, gemms)
+        print(f"fit on {len(gemms)} measured GEMMs: |error| median {100 * doc['fit_error_median']:.2f}%, "
+              f"95th percentile {100 * doc['fit_error_p95']:.2f}%", flush=True)
+    M = a.ep
+    P = shape.num_experts + M
+    tokens = issue29.TOKEN_PRESETS[preset]
+    trace = issue29._all_loads()[a.trace]
+    for tol in (float(x) for x in a.tolerances.split(",")):
+        opts = replace(issue29._opts(0.05, M, shape, preset), move_tolerance=tol)
+        loads, blocks = plan_scale(trace, shape, M, P, issue29.WINDOW, issue29.INTERVAL, LinkModel(),
+                                   ("deepseek", "default"), 0.0, opts)
+        r = scale_replay(loads, shape, M, P, tokens, issue29.WINDOW, issue29.INTERVAL, cost, LinkModel(),
+                         placements=("deepseek", "default"), planned=(loads, blocks), opts=opts).rows
+        row = {"move_tolerance": tol,
+               "default/deepseek": r["default"].tokens_per_s / r["deepseek"].tokens_per_s,
+               "moves_per_rebalance": r["default"].experts_moved / max(1, r["default"].rebalances),
+               "deepseek_moves_per_rebalance": r["deepseek"].experts_moved / max(1, r["deepseek"].rebalances),
+               "default": breakdown(loads, blocks["default"], M, M * tokens * shape.top_k, cost, shape),
+               "deepseek": breakdown(loads, blocks["deepseek"], M, M * tokens * shape.top_k, cost, shape)}
+        doc["rows"].append(row)
+        d, s = row["default"], row["deepseek"]
+        print(f"{a.trace} EP {M} tolerance {tol:g}: default/deepseek {row['default/deepseek']:.4f}, moves/rebalance "
+              f"{row['moves_per_rebalance']:.1f} (deepseek {row['deepseek_moves_per_rebalance']:.1f})\n"
+              f"  busiest GPU tokens/mean: default {d['tokens_max_over_mean']:.4f}, deepseek "
+              f"{s['tokens_max_over_mean']:.4f}; cost/mean: default {d['cost_max_over_mean']:.4f}, deepseek "
+              f"{s['cost_max_over_mean']:.4f}\n  extra 128-row tiles, busiest GPU: default "
+              f"{d['extra_tiles_busiest']:.2f}, deepseek {s['extra_tiles_busiest']:.2f}; all GPUs: default "
+              f"{d['extra_tiles_all']:.2f}, deepseek {s['extra_tiles_all']:.2f}", flush=True)
+    if a.out is not None:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "fitted_gpu.json").write_text(json.dumps(doc, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
