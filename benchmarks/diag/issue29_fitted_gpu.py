@@ -9,6 +9,9 @@ be tried against GPU-like costs without a GPU, and says why a placement is slowe
 - the fit's error on the measured GEMMs (median and 95th percentile, relative);
 - tokens/s of the default over deepseek's, and moves per rebalance, at each
   `--tolerances` move tolerance;
+- with `--first-from-scratch`, also the default whose first plan (from the start-up
+  placement, which no plan chose) uses tolerance 0 and later plans the tolerance, a
+  variant the planner does not have (patched in here);
 - for the default at each tolerance and for deepseek, over the scored steps: the busiest
   GPU's tokens over the mean (what the planner balances), its fitted cost over the mean
   (what the GPU pays), and the 128-row tiles beyond one per slot on the busiest GPU and on
@@ -36,6 +39,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE.parent))
 
+import eplb.core.replay as replay  # noqa: E402
+import eplb.core.scale as scale  # noqa: E402
 from eplb.core.cost_model import MODEL_PRESETS, LinkModel  # noqa: E402
 from eplb.core.scale import plan_scale, scale_replay, slot_counts  # noqa: E402
 from eplb.ops.gpu_cost import FEATURES, features  # noqa: E402
@@ -82,6 +87,24 @@ def breakdown(trace: np.ndarray, blocks, M: int, choices: int, cost: FittedCost,
             "extra_tiles_busiest": float(np.mean(top)), "extra_tiles_all": float(np.mean(tot))}
 
 
+def first_from_scratch() -> None:
+    """Patch the replay: the first plan of each `default` replay uses tolerance 0."""
+    pending = [False]
+    tolerance, replay_policy = replay.plan_tolerance, scale.replay_policy
+
+    def patched_tolerance(*args, **kwargs) -> float:
+        if pending[0]:
+            pending[0] = False
+            return 0.0
+        return tolerance(*args, **kwargs)
+
+    def patched_replay(trace, initial, steps, window, name, *args, **kwargs):
+        pending[0] = name == "default"
+        return replay_policy(trace, initial, steps, window, name, *args, **kwargs)
+
+    replay.plan_tolerance, scale.replay_policy = patched_tolerance, patched_replay
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit", type=Path, required=True, help="issue29.json of a --cost gpu run")
@@ -91,6 +114,8 @@ def main() -> None:
     ap.add_argument("--tolerances", default="0.03,0.01,0")
     ap.add_argument("--shared", type=Path, default=issue29.SHARED)
     ap.add_argument("--out", type=Path, default=None, help="write fitted_gpu.json here")
+    ap.add_argument("--first-from-scratch", action="store_true",
+                    help="also replay the default with its first plan at tolerance 0 (a variant)")
     a = ap.parse_args()
     issue29.SHARED_DIR[0] = a.shared
     model, preset = "deepseek-v3", "decode"
@@ -108,13 +133,19 @@ def main() -> None:
     P = shape.num_experts + M
     tokens = issue29.TOKEN_PRESETS[preset]
     trace = issue29._all_loads()[a.trace]
-    for tol in (float(x) for x in a.tolerances.split(",")):
+    variants = [(float(x), False) for x in a.tolerances.split(",")]
+    if a.first_from_scratch:
+        variants.append((issue29._opts(0.05, M, shape, preset).move_tolerance, True))
+    for tol, first in variants:
+        if first:
+            first_from_scratch()
         opts = replace(issue29._opts(0.05, M, shape, preset), move_tolerance=tol)
         loads, blocks = plan_scale(trace, shape, M, P, issue29.WINDOW, issue29.INTERVAL, LinkModel(),
                                    ("deepseek", "default"), 0.0, opts)
         r = scale_replay(loads, shape, M, P, tokens, issue29.WINDOW, issue29.INTERVAL, cost, LinkModel(),
                          placements=("deepseek", "default"), planned=(loads, blocks), opts=opts).rows
-        row = {"move_tolerance": tol,
+        moved = [b.record.experts_moved for b in blocks["default"] if b.record and not b.record.skipped]
+        row = {"move_tolerance": tol, "first_plan_from_scratch": first, "moves_each_rebalance": moved,
                "default/deepseek": r["default"].tokens_per_s / r["deepseek"].tokens_per_s,
                "moves_per_rebalance": r["default"].experts_moved / max(1, r["default"].rebalances),
                "deepseek_moves_per_rebalance": r["deepseek"].experts_moved / max(1, r["deepseek"].rebalances),
@@ -122,8 +153,8 @@ def main() -> None:
                "deepseek": breakdown(loads, blocks["deepseek"], M, M * tokens * shape.top_k, cost, shape)}
         doc["rows"].append(row)
         d, s = row["default"], row["deepseek"]
-        print(f"{a.trace} EP {M} tolerance {tol:g}: default/deepseek {row['default/deepseek']:.4f}, moves/rebalance "
-              f"{row['moves_per_rebalance']:.1f} (deepseek {row['deepseek_moves_per_rebalance']:.1f})\n"
+        print(f"{a.trace} EP {M} tolerance {tol:g}{' (first plan 0)' if first else ''}: default/deepseek {row['default/deepseek']:.4f}, moves/rebalance "
+              f"{row['moves_per_rebalance']:.1f} (deepseek {row['deepseek_moves_per_rebalance']:.1f}), each: {moved}\n"
               f"  busiest GPU tokens/mean: default {d['tokens_max_over_mean']:.4f}, deepseek "
               f"{s['tokens_max_over_mean']:.4f}; cost/mean: default {d['cost_max_over_mean']:.4f}, deepseek "
               f"{s['cost_max_over_mean']:.4f}\n  extra 128-row tiles, busiest GPU: default "
