@@ -325,6 +325,19 @@ def test_gpu_cost_mechanics_on_cpu():
         c.measure([1] * 5)
 
 
+def _swiglu_fp32(c, key):
+    """Each slot's down(silu(gate(x)) * up(x)) on its own token rows of `c.x`, written out in
+    fp32 from `c`'s weights (independent of `GpuGemmCost.gemm`) -> [(slot rows [n, H])]."""
+    import torch
+    rows, start = [], 0
+    for s, n in enumerate(key):
+        h = c.x[start:start + n].float() @ c.experts.w13[s].float().T  # [n, 2I]: gate rows, then up
+        g, u = h.chunk(2, dim=-1)
+        rows.append((g * torch.sigmoid(g) * u) @ c.experts.w2[s].float().T)  # [n, H]
+        start += n
+    return rows
+
+
 def test_gpu_cost_gemm_is_the_slots_expert_work_on_cpu():
     """`gemm(key)` (what `_time` times) computes each slot's SwiGLU on its own token rows,
     checked against the formula written out here."""
@@ -333,14 +346,7 @@ def test_gpu_cost_gemm_is_the_slots_expert_work_on_cpu():
     c = GpuGemmCost(TINY, max_slots=4, max_tokens=64, device="cpu", bucket=1, reps=1)
     key = (5, 3, 1)
     got = c.gemm(key)()  # [9, H]
-    x = c.x[:9].float()
-    rows = []
-    for s, (a, b) in enumerate(((0, 5), (5, 8), (8, 9))):
-        w13, w2 = c.experts.w13[s].float(), c.experts.w2[s].float()  # [2I, H], [H, I]
-        h = x[a:b] @ w13.T
-        g, u = h[:, :TINY.intermediate], h[:, TINY.intermediate:]
-        rows.append((g * torch.sigmoid(g) * u) @ w2.T)
-    want = torch.cat(rows)
+    want = torch.cat(_swiglu_fp32(c, key))  # [9, H]
     assert got.shape == (9, TINY.hidden) and want.abs().max() > 0
     assert ((got.float() - want).abs().max() / want.abs().max()) < 0.03  # bf16 rounding
 
@@ -364,10 +370,7 @@ def test_gpu_cost_graph_timing_on_cuda():
     graph = [c._time(key) for _ in range(5)]
     run = c.gemm(key)  # the same work, timed here without a graph
     got, start, err = run().float(), 0, 0.0  # [1452, H]: each slot's SwiGLU, checked per slot in fp32
-    for s, n in enumerate(key):
-        h = c.x[start:start + n].float() @ c.experts.w13[s].float().T  # [n, 2I]
-        g, u = h.chunk(2, dim=-1)
-        want = (g * torch.sigmoid(g) * u) @ c.experts.w2[s].float().T  # [n, H]
+    for n, want in zip(key, _swiglu_fp32(c, key)):
         err = max(err, float((got[start:start + n] - want).abs().max() / want.abs().max()))
         start += n
     assert err < 0.03, err  # bf16 rounding

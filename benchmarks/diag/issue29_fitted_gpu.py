@@ -43,28 +43,27 @@ import eplb.core.replay as replay  # noqa: E402
 import eplb.core.scale as scale  # noqa: E402
 from eplb.core.cost_model import MODEL_PRESETS, LinkModel  # noqa: E402
 from eplb.core.scale import plan_scale, scale_replay, slot_counts  # noqa: E402
-from eplb.ops.gpu_cost import FEATURES, features  # noqa: E402
+from eplb.ops.gpu_cost import FEATURES, fitted_seconds  # noqa: E402
 import issue29  # noqa: E402
 
 TILE = 128
 
 
 class FittedCost:
-    """An `ExpertCost` from a `GpuGemmCost` fit: `features(counts) @ coef` seconds per GPU."""
+    """An `ExpertCost` from a `GpuGemmCost` fit (`gpu_cost.fitted_seconds`) per GPU."""
 
     def __init__(self, fit: dict) -> None:
         self.coef = np.array([fit[k] for k in FEATURES])  # [F]
 
     def __call__(self, shape, counts: np.ndarray) -> np.ndarray:  # [L, M, S] -> [L, M]
-        c = np.asarray(counts, dtype=np.float64)
-        return np.where(c.sum(-1) > 0, features(c) @ self.coef, 0.0)
+        return fitted_seconds(counts, self.coef)
 
 
 def fit_error(cost: FittedCost, gemms: list) -> tuple[float, float]:
     """(median, 95th percentile) of |fitted / measured - 1| over the measured GEMMs."""
-    X = np.array([features(np.array(k, dtype=np.float64)) for k, _ in gemms])  # [K, F]
+    fitted = np.array([fitted_seconds(k, cost.coef) for k, _ in gemms])  # [K]
     y = np.array([t for _, t in gemms])  # [K]
-    err = np.abs(X @ cost.coef / y - 1)
+    err = np.abs(fitted / y - 1)
     return float(np.median(err)), float(np.percentile(err, 95))
 
 

@@ -50,6 +50,13 @@ def features(c: np.ndarray) -> np.ndarray:  # [..., S] token counts -> [..., 5]
                      np.ceil(c / 128).sum(-1)], axis=-1)
 
 
+def fitted_seconds(counts: np.ndarray, coef: np.ndarray) -> np.ndarray:  # [..., S], [5] -> [...]
+    """The fitted estimate: `features(counts) @ coef` seconds, 0 where no slot has tokens
+    (`GpuGemmCost.estimate` once fitted; offline, from a run's `stats()["fit"]`)."""
+    c = np.asarray(counts, dtype=np.float64)
+    return np.where(c.sum(-1) > 0, features(c) @ np.asarray(coef, dtype=np.float64), 0.0)
+
+
 class GpuGemmCost:
     """`cost(shape, counts [L, M, S]) -> [L, M]` seconds, measured on `device`."""
 
@@ -204,9 +211,9 @@ class GpuGemmCost:
     def estimate(self, counts: np.ndarray) -> np.ndarray:  # [..., S] -> [...]
         """Predicted seconds per GPU: the fitted model once enough GEMMs ran, else the sum
         of single-slot times."""
-        c = np.asarray(counts, dtype=np.float64)
         if self.coef is not None:
-            return np.where(c.sum(-1) > 0, features(c) @ self.coef, 0.0)
+            return fitted_seconds(counts, self.coef)
+        c = np.asarray(counts, dtype=np.float64)
         t = np.interp(c, self.grid, self.single, left=self.single[0])  # [..., S]
         return np.where(c > 0, t, 0.0).sum(-1)
 
