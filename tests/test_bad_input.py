@@ -375,3 +375,25 @@ def test_read_load_refuses_quietly(tmp_path):
         assert "\n" not in str(e.value) and reason in str(e.value)
     assert not marker.exists()
     assert read_load(tmp_path / "good.pt").tolist() == np.ones((2, 8)).tolist()
+
+
+def test_shared_setting_checks_take_their_range_and_refuse_the_rest():
+    """The four shared settings' checks: values in range come back as floats; bools,
+    strings, NaN and values out of range raise one ValueError naming the setting."""
+    from eplb.core.planning import (check_dispatch_tokens, check_min_gain, check_move_tolerance,
+                                    check_read_tokens)
+    inf, nan = float("inf"), float("nan")
+    cases = [  # (check, name in the message, accepted, refused)
+        (check_min_gain, "min_gain", [0, 0.5, 0.999], [1, 1.5, -0.01, inf]),
+        (check_read_tokens, "read_tokens", [0, 100, 1e9], [-1, inf]),
+        (check_dispatch_tokens, "dispatch_tokens", [0, 40, inf], [-0.5, -inf]),
+        (check_move_tolerance, "move_tolerance", [0, 0.03, 9.99], [10, -0.1, inf]),
+    ]
+    for check, name, good, bad in cases:
+        for v in good:
+            out = check(v)
+            assert type(out) is float and out == v
+        for v in bad + [True, False, "1", None, nan]:
+            with pytest.raises(ValueError) as e:
+                check(v)
+            assert str(e.value).startswith(f"{name} must be ") and str(e.value).endswith(f"got {v!r}"), str(e.value)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -213,35 +213,35 @@ def plan_tolerance(shifted: bool, move_tolerance: float, variation: float | None
     return 0.0 if shifted or drifting else move_tolerance
 
 
-def check_min_gain(value: Any, name: str = "min_gain") -> float:
-    """`value` as a float in [0, 1) (a gain in balancedness, itself in (0, 1]), else a
-    ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        raise ValueError(f"{name} must be a gain in balancedness in [0, 1), got {value!r}")
+def check_number(value: Any, name: str, ok: Callable[[float], bool], what: str) -> float:
+    """`value` as a float when it is a number (not a bool) for which `ok` holds, else a
+    ValueError "`name` must be `what`, got ...". NaN fails every range. The shared
+    settings below are checked through it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
     return float(value)
+
+
+def check_min_gain(value: Any, name: str = "min_gain") -> float:
+    """A gain in balancedness (itself in (0, 1]): a float in [0, 1)."""
+    return check_number(value, name, lambda v: 0 <= v < 1, "a gain in balancedness in [0, 1)")
 
 
 def check_read_tokens(value: Any, name: str = "read_tokens") -> float:
-    """A finite number >= 0 (not a bool), as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return float(value)
+    """A finite number >= 0, as a float."""
+    return check_number(value, name, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
 
 
 def check_dispatch_tokens(value: Any, name: str = "dispatch_tokens") -> float:
-    """A number >= 0 (inf allowed: the busiest GPU's tokens never rise; not a bool), as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ValueError(f"{name} must be a number >= 0 (inf allowed), got {value!r}")
-    return float(value)
+    """A number >= 0 (inf allowed: the busiest GPU's tokens never rise), as a float."""
+    return check_number(value, name, lambda v: v >= 0, "a number >= 0 (inf allowed)")
 
 
 def check_move_tolerance(value: Any) -> float:
-    """`value` as a float in [0, 10) (extra relative imbalance a planner may accept to keep
-    experts in place), else a ValueError; bools are refused. The one check of
-    `move_tolerance`: EplbConfig.verify, plan() and simulate() all call it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 10:
-        raise ValueError(f"move_tolerance must be in [0, 10), got {value!r}")
-    return float(value)
+    """Extra relative imbalance a planner may accept to keep experts in place: a float in
+    [0, 10). The one check of `move_tolerance`: EplbConfig.verify, plan() and simulate()
+    all call it."""
+    return check_number(value, "move_tolerance", lambda v: 0 <= v < 10, "in [0, 10)")
 
 
 def positive_int(value: Any, name: str) -> int:

@@ -51,25 +51,21 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     layer = np.arange(R) // rows_per_layer  # [R] the layer of each row
     total = w.sum(1)[layer]  # [R] the layer's load
     c = counts_of(p2l, n)  # [R, n] replicas in the row
+    share = np.divide(w[layer], total[:, None] * np.maximum(c, 1), out=np.zeros((R, n)),
+                      where=total[:, None] > 0)  # [R, n] one replica's share of its layer's load
+    lam = share * step_choices  # [R, n] tokens per step on each replica of an expert
+    cost = lam + read_tokens * -np.expm1(-lam)  # [R, n] per slot of each expert
     r = np.arange(R)[:, None]
-    per_slot = w[layer[:, None], p2l] / np.maximum(c[r, p2l], 1)  # [R, p] load of each slot
-    lam_s = np.divide(per_slot * step_choices, total[:, None], out=np.zeros_like(per_slot),
-                      where=total[:, None] > 0)  # [R, p] tokens per step on each slot
-    cost_s = lam_s + read_tokens * -np.expm1(-lam_s)  # [R, p]
-    sums = gpu_sums(cost_s, m)  # [R, m]
+    sums = gpu_sums(cost[r, p2l], m)  # [R, m]
     # rows where some slot may be empty; swaps keep a row's total cost, so no GPU ends below
     # the mean: rows whose costliest GPU is within min_gain of the mean cannot gain enough
     # (most rows when a plan is in force)
-    cold = (lam_s < WARM_TOKENS).any(1)
+    cold = (lam[r, p2l] < WARM_TOKENS).any(1)
     can = cold & (sums.max(1) * (1.0 - min_gain) > sums.mean(1) * (1.0 + REL_EPS))
     rows = np.nonzero(can)[0]
     if rows.size == 0:
         return p2l
-    wr = w[layer[rows]]  # [R', n]
-    share = np.divide(wr, total[rows, None] * np.maximum(c[rows], 1), out=np.zeros_like(wr),
-                      where=total[rows, None] > 0)
-    lam = share * step_choices  # [R', n] tokens per step on each replica of an expert
-    cost = lam + read_tokens * -np.expm1(-lam)  # [R', n] per slot of each expert
+    cost, lam = cost[rows], lam[rows]  # [R', n]
     before = objective(cost, lam, p2l[rows], m, dispatch_tokens)  # [R']
     new = swap_down(cost, lam, p2l[rows], m, n, READ_ITERS, dispatch_tokens)  # [R', p]
     after = objective(cost, lam, new, m, dispatch_tokens, p2l[rows])
