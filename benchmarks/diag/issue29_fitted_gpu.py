@@ -9,6 +9,8 @@ be tried against GPU-like costs without a GPU, and says why a placement is slowe
 - the fit's error on the measured GEMMs (median and 95th percentile, relative);
 - tokens/s of the default over deepseek's, and moves per rebalance, at each
   `--tolerances` move tolerance;
+- with `--counts poisson --seeds S`, the ratio is the mean over S Poisson draws of the
+  scored steps' counts (the breakdown below stays on the expected counts);
 - with `--first-from-scratch`, also the default whose first plan (from the start-up
   placement, which no plan chose) uses tolerance 0 and later plans the tolerance, a
   variant the planner does not have (patched in here);
@@ -113,14 +115,21 @@ def main() -> None:
     ap.add_argument("--tolerances", default="0.03,0.01,0")
     ap.add_argument("--shared", type=Path, default=issue29.SHARED)
     ap.add_argument("--out", type=Path, default=None, help="write fitted_gpu.json here")
+    ap.add_argument("--counts", choices=("expected", "poisson"), default="expected",
+                    help="token counts of the scored steps: expected (rounded) or Poisson draws")
+    ap.add_argument("--seeds", type=int, default=1, help="Poisson seeds 0..S-1 (the ratio is their mean)")
+    ap.add_argument("--dispatch-tokens", type=float, default=issue29.READS[1],
+                    help="decode-aware packing's price of a token more on the busiest GPU (default: the runtime's)")
     ap.add_argument("--first-from-scratch", action="store_true",
                     help="also replay the default with its first plan at tolerance 0 (a variant)")
     a = ap.parse_args()
     issue29.SHARED_DIR[0] = a.shared
+    issue29.READS[1] = a.dispatch_tokens
     model, preset = "deepseek-v3", "decode"
     shape = MODEL_PRESETS[model]
     cost = FittedCost(json.loads(a.fit.read_text())["gpu"][model][preset]["fit"])
-    doc: dict = {"fit": dict(zip(FEATURES, cost.coef.tolist())), "trace": a.trace, "ep": a.ep, "rows": []}
+    doc: dict = {"fit": dict(zip(FEATURES, cost.coef.tolist())), "trace": a.trace, "ep": a.ep,
+                 "dispatch_tokens": a.dispatch_tokens, "rows": []}
     if a.gemms is not None:
         opener = gzip.open if a.gemms.suffix == ".gz" else open
         with opener(a.gemms, "rt") as f:
@@ -141,11 +150,15 @@ def main() -> None:
         opts = replace(issue29._opts(0.05, M, shape, preset), move_tolerance=tol)
         loads, blocks = plan_scale(trace, shape, M, P, issue29.WINDOW, issue29.INTERVAL, LinkModel(),
                                    ("deepseek", "default"), 0.0, opts)
-        r = scale_replay(loads, shape, M, P, tokens, issue29.WINDOW, issue29.INTERVAL, cost, LinkModel(),
-                         placements=("deepseek", "default"), planned=(loads, blocks), opts=opts).rows
+        runs = [scale_replay(loads, shape, M, P, tokens, issue29.WINDOW, issue29.INTERVAL, cost, LinkModel(),
+                             placements=("deepseek", "default"), planned=(loads, blocks), opts=opts,
+                             counts=a.counts, seed=seed).rows for seed in range(a.seeds)]
+        r = runs[0]
         moved = [b.record.experts_moved for b in blocks["default"] if b.record and not b.record.skipped]
         row = {"move_tolerance": tol, "first_plan_from_scratch": first, "moves_each_rebalance": moved,
-               "default/deepseek": r["default"].tokens_per_s / r["deepseek"].tokens_per_s,
+               "counts": a.counts, "seeds": a.seeds,
+               "default/deepseek": float(np.mean([x["default"].tokens_per_s / x["deepseek"].tokens_per_s
+                                                  for x in runs])),
                "moves_per_rebalance": r["default"].experts_moved / max(1, r["default"].rebalances),
                "deepseek_moves_per_rebalance": r["deepseek"].experts_moved / max(1, r["deepseek"].rebalances),
                "default": breakdown(loads, blocks["default"], M, M * tokens * shape.top_k, cost, shape),
