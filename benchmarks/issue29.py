@@ -47,6 +47,7 @@ from eplb.core.scale import (COUNTS, DEFAULT_CONTROL_INTERVAL, SERVING_STEPS, Pl
                              plan_scale, scale_replay, topology)
 from eplb.core.replay import Block, RebalanceRecord  # noqa: E402
 from eplb.core.transfer_plan import transfer_stats  # noqa: E402
+from eplb.core.workload import cosine_drift  # noqa: E402
 from eplb.ops.scale_report import make_cost  # noqa: E402
 from scale import SHARED, traces as shared_traces  # noqa: E402
 
@@ -82,8 +83,7 @@ def synthetic(T: int = 40, L: int = 4, N: int = 256) -> dict[str, np.ndarray]:
                                              for _ in range(-(-T // 12))])[:T]
     out["steady-lognormal"] = np.repeat(lognormal()[None], T, 0)
     a, b = zipf(), zipf()
-    x = (1 - np.cos(np.pi * np.arange(T) / T)) / 2  # [T] 0 -> 1
-    out["drift"] = (1 - x)[:, None, None] * a / a.sum(1, keepdims=True) + x[:, None, None] * b / b.sum(1, keepdims=True)
+    out["drift"] = cosine_drift(a, b, T)
     return {k: _sample(v, rng) for k, v in out.items()}
 
 

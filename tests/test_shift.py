@@ -12,6 +12,7 @@ from eplb.core.placement import Placement
 from eplb.core.planning import ShiftState, plan_tolerance, sampling_gap
 from eplb.core.replay import block_imbalance, check_points, replay_policy, step_imbalance
 from eplb.core.simulate import simulate
+from eplb.core.workload import cosine_drift
 
 
 # ---- the decision ------------------------------------------------------------------------
@@ -193,9 +194,7 @@ def _drifting_trace(tokens: int, seed: int = 5) -> np.ndarray:  # [40, 2, 16] co
     `tokens` multinomial draws per layer."""
     rng = np.random.default_rng(seed)
     a, b = (1 / (np.argsort(rng.random((2, 16)), 1) + 1.0) for _ in range(2))
-    a, b = a / a.sum(1, keepdims=True), b / b.sum(1, keepdims=True)
-    x = (1 - np.cos(np.pi * np.arange(40) / 40)) / 2  # [T] 0 -> 1
-    shares = (1 - x)[:, None, None] * a + x[:, None, None] * b
+    shares = cosine_drift(a, b, 40)  # [T, L, N]
     return np.array([[rng.multinomial(tokens, p) for p in step] for step in shares], float)
 
 

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import re
 
+import math
+
 import numpy as np
 import pytest
 
-from eplb.core.workload import TRACES, SkewedDriftWorkload, TraceWorkload, load_trace, routing_bias
+from eplb.core.workload import TRACES, SkewedDriftWorkload, TraceWorkload, cosine_drift, load_trace, routing_bias
 
 
 def hot_set(pop: np.ndarray, k: int) -> list[set[int]]:  # per layer: the k most popular experts
@@ -175,3 +177,19 @@ def test_load_trace_refuses_a_torch_file(tmp_path):
     torch.save({"counts": torch.ones(2, 2, 2)}, path)
     with pytest.raises(ValueError, match="trace"):
         load_trace(str(path))
+
+
+def test_cosine_drift_goes_from_a_to_b_by_half_a_cosine():
+    a = np.array([[1.0, 2.0, 7.0], [5.0, 3.0, 2.0]])  # [L, N], not normalised
+    b = np.array([[4.0, 4.0, 2.0], [1.0, 1.0, 8.0]])
+    T = 8
+    s = cosine_drift(a, b, T)  # [T, L, N]
+    assert s.shape == (T, 2, 3)
+    assert np.allclose(s.sum(-1), 1.0)
+    assert np.allclose(s[0], a / 10.0)  # both rows of a and b sum to 10
+    for t in range(T):  # weight of b at step t, written out: (1 - cos(pi t / T)) / 2
+        x = (1 - math.cos(math.pi * t / T)) / 2
+        assert np.allclose(s[t], (1 - x) * a / 10.0 + x * b / 10.0)
+    assert np.allclose(s[T // 2], (a + b) / 20.0)  # halfway, the plain average
+    steps = np.diff(s[:, 0, 0])
+    assert (steps > 0).all() and steps[0] < steps[T // 2 - 1]  # smooth: slow at the start

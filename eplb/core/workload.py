@@ -41,6 +41,16 @@ class SkewedDriftWorkload:
         return (1 - w) * a + w * b
 
 
+def cosine_drift(a: np.ndarray, b: np.ndarray, steps: int) -> np.ndarray:
+    """Shares [T, L, N] that move from profile `a` to profile `b` (each [L, N], > 0, any
+    scale: each is normalised per layer) along half a cosine over `steps` steps: a smooth
+    drift with no jump (the `drift` family of benchmarks/issue29.py and of the shift tests)."""
+    x = (1 - np.cos(np.pi * np.arange(steps) / steps)) / 2  # [T] 0 -> 1
+    a = a / a.sum(-1, keepdims=True)
+    b = b / b.sum(-1, keepdims=True)
+    return (1 - x)[:, None, None] * a + x[:, None, None] * b
+
+
 class TraceWorkload:
     """Replays a measured `[T, L, N]` trace of expert counts: step t uses the sum of
     `window` consecutive entries starting at t (wrapping); model layer l uses trace
