@@ -50,13 +50,14 @@ def test_same_placement_as_in_process(planner, L, N, M, P, nodes, groups, policy
         want.num_logical_experts, want.num_gpus, want.num_nodes, want.policy)
 
 
-@pytest.mark.parametrize("dispatch", [40.0, float("inf")])
-def test_decode_aware_settings_reach_the_child(planner, dispatch):
-    """`read_tokens`, `step_choices` and `dispatch_tokens` travel to the child: its plan is
-    `plan()`'s with them, which differs from the plan without them here (cold experts)."""
+@pytest.mark.parametrize("dispatch, tiles", [(40.0, 128.0), (float("inf"), 128.0), (40.0, 0.0)])
+def test_decode_aware_settings_reach_the_child(planner, dispatch, tiles):
+    """`read_tokens`, `step_choices`, `dispatch_tokens` and `tile_rows` travel to the child:
+    its plan is `plan()`'s with them, which differs from the plan without them here (cold
+    experts)."""
     rng = np.random.default_rng(3)
     load = rng.lognormal(0.0, 2.5, size=(4, 64))  # [L, N] many cold experts
-    kw = dict(read_tokens=100.0, step_choices=8 * 16 * 4.0, dispatch_tokens=dispatch)
+    kw = dict(read_tokens=100.0, step_choices=8 * 16 * 4.0, dispatch_tokens=dispatch, tile_rows=tiles)
     want = plan(load, 8, 72, **kw)
     got = planner.plan(load, 8, 72, **kw)
     assert np.array_equal(got.physical_to_logical, want.physical_to_logical)

@@ -1,7 +1,9 @@
-"""Decode-aware packing (`read_tokens`, eplb.core.policy.balanced.reads): the pass lowers the largest
-per-GPU cost of tokens plus weight reads, computed here on its own from the placement,
-keeps replica counts, the one-replica-per-GPU rule and node locality, and does nothing
-where every slot is warm."""
+"""Decode-aware packing (`read_tokens`, eplb.core.policy.balanced.reads). With `tile_rows` 0
+(one read per non-empty slot) the pass lowers the largest per-GPU cost of tokens plus
+weight reads, computed here on its own from the placement, keeps replica counts, the
+one-replica-per-GPU rule and node locality, and does nothing where every slot is warm.
+With tiles (`tile_rows` > 0, the default) a slot reads once per tile of its tokens, and a
+layer costlier than a fresh packing of DeepSeek's replica counts catches up with it."""
 from __future__ import annotations
 
 import math
@@ -18,21 +20,33 @@ def _loads(seed: int, L: int = 6, N: int = 64) -> np.ndarray:  # [L, N]: a few h
     return w / w.sum(1, keepdims=True) * 1e6
 
 
-def _gpu_cost(load: np.ndarray, p2l: np.ndarray, M: int, choices: float, read: float) -> np.ndarray:
-    """[L] the largest per-GPU expected cost, tokens + read x P(slot not empty), loop by loop."""
+def _exact_tiles(lam: float, tile_rows: float) -> float:
+    """E[ceil(X / tile_rows)] for X ~ Poisson(lam), by summing the pmf term by term."""
+    if lam <= 0:
+        return 0.0
+    if tile_rows <= 0:
+        return 1.0 - math.exp(-lam)
+    total = 0.0
+    for x in range(1, int(lam + 20 * math.sqrt(lam) + 60)):
+        total += math.exp(x * math.log(lam) - lam - math.lgamma(x + 1)) * math.ceil(x / tile_rows)
+    return total
+
+
+def _gpu_cost(load: np.ndarray, p2l: np.ndarray, M: int, choices: float, read: float,
+              tile_rows: float = 0.0) -> np.ndarray:
+    """[L] the largest per-GPU expected cost, tokens + read x E[reads] (tile_rows 0:
+    P(slot not empty); else E[tiles], `_exact_tiles`), loop by loop."""
     L, P = p2l.shape
     S = P // M
     out = np.zeros(L)
     for layer in range(L):
         total = load[layer].sum()
-        worst = 0.0
         for g in range(M):
             cost = 0.0
             for e in p2l[layer, g * S:(g + 1) * S]:
                 lam = load[layer, e] / total * choices / int((p2l[layer] == e).sum())
-                cost += lam + read * (1.0 - math.exp(-lam))
-            worst = max(worst, cost)
-        out[layer] = worst
+                cost += lam + read * _exact_tiles(lam, tile_rows)
+            out[layer] = max(out[layer], cost)
     return out
 
 
@@ -51,7 +65,7 @@ def test_reads_pass_lowers_the_largest_gpu_cost(seed):
     load = _loads(seed)
     choices, read = M * 16 * 4.0, 100.0  # 16 tokens per GPU, top-4: many slots may be empty
     base = plan(load, M, P).physical_to_logical
-    aware = plan(load, M, P, read_tokens=read, step_choices=choices).physical_to_logical
+    aware = plan(load, M, P, read_tokens=read, tile_rows=0.0, step_choices=choices).physical_to_logical
     _check_same_counts_no_duplicates(base, aware, M, N)
     before = _gpu_cost(load, base, M, choices, read)
     after = _gpu_cost(load, aware, M, choices, read)
@@ -64,7 +78,7 @@ def test_reads_pass_keeps_node_locality():
     load = _loads(3)
     choices = M * 16 * 4.0
     base = plan(load, M, P, nodes, groups).physical_to_logical
-    aware = plan(load, M, P, nodes, groups, read_tokens=100.0, step_choices=choices).physical_to_logical
+    aware = plan(load, M, P, nodes, groups, read_tokens=100.0, tile_rows=0.0, step_choices=choices).physical_to_logical
     _check_same_counts_no_duplicates(base, aware, M, N)
     half = P // nodes
     for layer in range(load.shape[0]):
@@ -79,7 +93,7 @@ def test_warm_slots_leave_the_plan_as_it_is():
     M, P = 8, 72
     base = plan(load, M, P).physical_to_logical
     # a million choices per step: every slot expects thousands of tokens, every slot reads
-    warm = plan(load * 0 + 1.0 + load, M, P, read_tokens=100.0, step_choices=1e9).physical_to_logical
+    warm = plan(load * 0 + 1.0 + load, M, P, read_tokens=100.0, tile_rows=0.0, step_choices=1e9).physical_to_logical
     assert np.array_equal(plan(load * 0 + 1.0 + load, M, P).physical_to_logical, warm)
     assert base.shape == warm.shape
 
@@ -93,7 +107,7 @@ def test_an_all_zero_layer_plans_without_nan():
     load[2] = 0.0
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a 0/0 in the pass would warn
-        aware = plan(load, 8, 72, read_tokens=100.0, step_choices=8 * 16 * 4.0).physical_to_logical
+        aware = plan(load, 8, 72, read_tokens=100.0, tile_rows=0.0, step_choices=8 * 16 * 4.0).physical_to_logical
     assert np.array_equal(aware[2], plan(load, 8, 72).physical_to_logical[2])
 
 
@@ -104,7 +118,7 @@ def test_with_previous_small_gains_do_not_move():
     prev = plan(load, M, P)
     # the plan in force is already the token-balanced plan of this load: a read gain of less
     # than the tolerance must not be bought with copies, a large tolerance keeps every row
-    kept = plan(load, M, P, previous=prev, move_tolerance=5.0, read_tokens=100.0, step_choices=choices)
+    kept = plan(load, M, P, previous=prev, move_tolerance=5.0, read_tokens=100.0, tile_rows=0.0, step_choices=choices)
     assert np.array_equal(kept.physical_to_logical, prev.physical_to_logical)
 
 
@@ -147,7 +161,7 @@ def test_dispatch_tokens_price_the_busiest_gpu_tokens(seed):
     cost0, tok0 = _gpu_cost(load, base, M, choices, read), _gpu_tokens(load, base, M, choices)
     costs = {}
     for d in (float("inf"), 40.0, 0.0):
-        aware = plan(load, M, P, read_tokens=read, step_choices=choices, dispatch_tokens=d).physical_to_logical
+        aware = plan(load, M, P, read_tokens=read, tile_rows=0.0, step_choices=choices, dispatch_tokens=d).physical_to_logical
         _check_same_counts_no_duplicates(base, aware, M, N)
         cost, tok = _gpu_cost(load, aware, M, choices, read), _gpu_tokens(load, aware, M, choices)
         if d == float("inf"):
@@ -168,7 +182,7 @@ def test_a_free_dispatch_lets_the_pass_raise_tokens_somewhere():
     for seed in range(4):
         load = _loads(seed)
         base = plan(load, M, P).physical_to_logical
-        free = plan(load, M, P, read_tokens=read, step_choices=choices, dispatch_tokens=0.0).physical_to_logical
+        free = plan(load, M, P, read_tokens=read, tile_rows=0.0, step_choices=choices, dispatch_tokens=0.0).physical_to_logical
         raised += int((_gpu_tokens(load, free, M, choices) > _gpu_tokens(load, base, M, choices) * (1 + 1e-9)).sum())
     assert raised > 0
 
@@ -203,6 +217,77 @@ def test_swap_down_and_objective_hold_the_token_cap_on_their_own():
     hot = max(range(m * s), key=lambda i: tokens[r, p2l[r, i]] if i // s != h else -1)
     cold = min(range(h * s, (h + 1) * s), key=lambda i: tokens[r, p2l[r, i]])
     raised[r, hot], raised[r, cold] = p2l[r, cold], p2l[r, hot]
-    got = objective(cost, tokens, raised, m, float("inf"), p2l)
+    got = objective(cost, tokens, raised, m, float("inf"), t0.max(1))
     assert np.isinf(got[0]) and np.isfinite(got[1:]).all()
     assert got[1:] == pytest.approx(per_gpu(cost, raised)[1:].max(1))
+
+
+def test_expected_tiles_is_the_poisson_mean_of_the_tile_count():
+    from eplb.core.policy.balanced.reads import expected_tiles
+
+    lams = np.array([0.0, 0.2, 5.0, 50.0, 100.0, 120.0, 128.0, 140.0, 200.0, 257.0, 1000.0, 3000.5])
+    for tile_rows in (64.0, 128.0):
+        got = expected_tiles(lams.copy(), tile_rows)
+        want = np.array([_exact_tiles(x, tile_rows) for x in lams])
+        assert np.abs(got - want).max() < 0.01, (tile_rows, got, want)  # the normal tail's error
+    got0 = expected_tiles(lams.copy(), 0.0)  # one read per non-empty slot, exactly
+    assert np.array_equal(got0, -np.expm1(-lams))
+
+
+def test_erfc_matches_the_standard_library():
+    from eplb.core.policy.balanced.reads import erfc
+
+    x = np.linspace(-6.0, 6.0, 241)
+    assert np.abs(erfc(x) - np.array([math.erfc(v) for v in x])).max() < 2e-7
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_a_kept_layout_catches_up_with_deepseeks_cost_through_its_counts(seed):
+    """The start-up placement's spare replicas sit on arbitrary experts. With a plan in force
+    and tiles counted, the planner moves it to within 2% of DeepSeek's fresh plan in the
+    cost of tokens plus reads per 128-row tile (computed here by loops, with exact Poisson
+    tile counts); counting one read per slot (tile_rows 0, the pass before the catch-up),
+    some layer stays more than 3% above it."""
+    from eplb.core.placement import Placement
+
+    L, N, M, P = 4, 64, 8, 72
+    rng = np.random.default_rng(seed)
+    load = rng.lognormal(0.0, 1.0, (L, N))
+    load = load / load.sum(1, keepdims=True) * 1e6  # [L, N]
+    choices, read = M * 128 * 4.0, 100.0  # 128 tokens per GPU, top-4: the hot slots overflow a tile
+    prev = Placement.initial(L, N, P, M)
+    kw = dict(previous=prev, read_tokens=read, step_choices=choices)
+    tiles = plan(load, M, P, tile_rows=128.0, **kw).physical_to_logical
+    one = plan(load, M, P, tile_rows=0.0, **kw).physical_to_logical
+    ds = plan(load, M, P, policy="deepseek").physical_to_logical
+    cost = {k: _gpu_cost(load, v, M, choices, read, 128.0) for k, v in
+            (("tiles", tiles), ("one", one), ("deepseek", ds))}
+    assert (cost["tiles"] <= cost["deepseek"] * 1.02).all(), cost
+    assert (cost["one"] > cost["deepseek"] * 1.03).any(), cost
+    assert (cost["tiles"] < cost["one"]).all(), cost
+    _check_same_counts_no_duplicates(tiles, tiles, M, N)  # no GPU holds an expert twice
+    counts = lambda p2l: np.stack([np.bincount(r, minlength=N) for r in p2l])  # noqa: E731
+    assert not np.array_equal(counts(tiles), counts(prev.physical_to_logical))  # spares moved
+
+
+def test_nodes_and_tile_rows_0_keep_the_pass_without_the_catch_up():
+    """The catch-up needs every expert in a row: with nodes (rows per node) the plan with
+    tiles and a large tolerance keeps the previous placement, as without tiles."""
+    L, N, M, P, nodes, groups = 2, 64, 8, 72, 2, 4
+    load = _loads(9, L=L)
+    choices = M * 128 * 4.0
+    prev = plan(load, M, P, nodes, groups)
+    for t in (0.0, 128.0):
+        kept = plan(load, M, P, nodes, groups, previous=prev, move_tolerance=5.0, read_tokens=100.0,
+                    step_choices=choices, tile_rows=t)
+        assert np.array_equal(kept.physical_to_logical, prev.physical_to_logical), t
+
+
+@pytest.mark.parametrize("value", [-1.0, float("inf"), float("nan"), True])
+def test_bad_tile_rows_are_refused(value):
+    from eplb.core.config import EplbConfig
+
+    with pytest.raises(ValueError, match="tile_rows must be a finite number >= 0"):
+        plan(_loads(0), 8, 72, read_tokens=10.0, step_choices=10.0, tile_rows=value)
+    with pytest.raises(ValueError, match="tile_rows must be a finite number >= 0"):
+        EplbConfig(tile_rows=value).verify(64, 8)

@@ -36,7 +36,7 @@ def _body(rank, world, read_tokens, decay):
                    num_redundant_experts=R)
     cfg = EplbConfig(num_redundant_experts=R, window_size=4, rebalance_interval=6, control_interval=0,
                      min_gain=0.0, shift_threshold=0.0, load_decay=decay, read_tokens=read_tokens,
-                     dispatch_tokens=12.5, policy="test-reads-recording")
+                     dispatch_tokens=12.5, tile_rows=64.0, policy="test-reads-recording")
     rt = EplbRuntime(MoEModel(args, group=dist.group.WORLD, device=device), cfg, group=dist.group.WORLD)
     P = N + R
     totals = []  # [steps] token-expert choices per step and layer, summed over the ranks
@@ -56,7 +56,7 @@ def _body(rank, world, read_tokens, decay):
         per_step = np.array(totals[2:][::-1])  # [4, L] newest first
         want = float((w[:, None] * per_step).sum(0).mean() / w.sum())
         if read_tokens:
-            assert opt.read_tokens == read_tokens and opt.dispatch_tokens == 12.5
+            assert opt.read_tokens == read_tokens and opt.dispatch_tokens == 12.5 and opt.tile_rows == 64.0
             assert opt.step_choices == pytest.approx(want, rel=1e-12), (opt.step_choices, want)
         else:
             assert opt.read_tokens == 0.0 and opt.step_choices == 0.0

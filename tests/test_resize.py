@@ -352,7 +352,8 @@ def _round_trip_body(rank, world):
     assert res.member and rt.world_size == world and model.num_local_physical_experts == 12 // world
     per_step = load.sum() / args.num_layers / 100  # token-expert choices per step and layer
     want = plan(load, world, 12, 1, 1, cfg.policy, move_tolerance=cfg.move_tolerance,
-                read_tokens=cfg.read_tokens, step_choices=per_step, dispatch_tokens=cfg.dispatch_tokens)
+                read_tokens=cfg.read_tokens, step_choices=per_step, dispatch_tokens=cfg.dispatch_tokens,
+                tile_rows=cfg.tile_rows)
     tokens_only = plan(load, world, 12, 1, 1, cfg.policy, move_tolerance=cfg.move_tolerance)
     assert not np.array_equal(want.physical_to_logical, tokens_only.physical_to_logical)
     assert np.array_equal(rt.placement.physical_to_logical, want.physical_to_logical)

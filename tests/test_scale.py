@@ -245,7 +245,7 @@ def test_cli_cost_honours_the_runtime_settings_and_prints_ratios(tmp_path, capsy
     opts = docs[1]["results"][0]["config"]["plan_options"]
     assert opts == {"move_tolerance": 0.5, "weighted": True, "decay": 0.5, "min_gain": 0.0,
                     "shift_threshold": 0.0, "read_tokens": 100.0, "step_choices": 2 * 64 * 2.0,
-                    "dispatch_tokens": 40.0, "control_interval": 10}  # reads: EplbConfig's, set against EP 2's choices
+                    "dispatch_tokens": 40.0, "tile_rows": 128.0, "control_interval": 10}  # reads: EplbConfig's, set against EP 2's choices
     # the settings change what default does
     a, b = (d["results"][1]["rows"] for d in docs)
     assert a["default"]["tokens_per_s"] != b["default"]["tokens_per_s"]
@@ -482,11 +482,11 @@ def test_cli_read_tokens_reaches_the_plans(tmp_path, capsys):
         docs.append(json.loads(out.read_text()))
         outs.append(stdout)
     assert "read tokens 0 (off)" in outs[0].splitlines()[0]
-    assert "read tokens 50 (dispatch tokens 40)" in outs[1].splitlines()[0]
+    assert "read tokens 50 (dispatch tokens 40, tile rows 128)" in outs[1].splitlines()[0]
     # without the flag: EplbConfig's, what the runtime plans with
     from eplb.core.config import EplbConfig
-    assert (f"read tokens {EplbConfig.read_tokens:g} (dispatch tokens {EplbConfig.dispatch_tokens:g})"
-            in outs[2].splitlines()[0])
+    assert (f"read tokens {EplbConfig.read_tokens:g} (dispatch tokens {EplbConfig.dispatch_tokens:g}, "
+            f"tile rows {EplbConfig.tile_rows:g})" in outs[2].splitlines()[0])
     assert docs[2]["results"][0]["config"]["plan_options"]["read_tokens"] == EplbConfig.read_tokens
     for r, M in zip(docs[1]["results"], (4, 8)):
         assert r["config"]["plan_options"]["read_tokens"] == 50.0
@@ -494,7 +494,7 @@ def test_cli_read_tokens_reaches_the_plans(tmp_path, capsys):
     a = [r["rows"]["default"]["tokens_per_s"] for r in docs[0]["results"]]
     b = [r["rows"]["default"]["tokens_per_s"] for r in docs[1]["results"]]
     assert a != b
-    for flag in ("--read-tokens", "--dispatch-tokens"):
+    for flag in ("--read-tokens", "--dispatch-tokens", "--tile-rows"):
         code, _, err = run_main(["simulate", str(trace), "--window-size", "2", "--rebalance-interval", "2",
                                  "--num-gpus", "4", "--num-slots", "36", flag, "50"], capsys)
         assert code != 0 and f"{flag} needs --cost" in err
@@ -502,11 +502,13 @@ def test_cli_read_tokens_reaches_the_plans(tmp_path, capsys):
     assert code != 0 and "--read-tokens must be a finite number >= 0" in err
     code, _, err = run_main(base + ["--read-tokens", "50", "--dispatch-tokens", "-1"], capsys)
     assert code != 0 and "--dispatch-tokens must be a number >= 0" in err
+    code, _, err = run_main(base + ["--tile-rows", "-64"], capsys)
+    assert code != 0 and "--tile-rows must be a finite number >= 0" in err
     out = tmp_path / "inf.json"
     code, stdout, err = run_main(base + ["--read-tokens", "50", "--dispatch-tokens", "inf", "--json", str(out)],
                                  capsys)
     assert code == 0, err
-    assert "read tokens 50 (dispatch tokens inf)" in stdout.splitlines()[0]
+    assert "read tokens 50 (dispatch tokens inf, tile rows 128)" in stdout.splitlines()[0]
     assert json.loads(out.read_text())["results"][0]["config"]["plan_options"]["dispatch_tokens"] == float("inf")
 
 

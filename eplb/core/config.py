@@ -10,7 +10,8 @@ import logging
 import os
 from dataclasses import dataclass
 
-from eplb.core.policy.base import DEFAULT_DISPATCH_TOKENS, DEFAULT_MOVE_TOLERANCE, DEFAULT_READ_TOKENS
+from eplb.core.policy.base import (DEFAULT_DISPATCH_TOKENS, DEFAULT_MOVE_TOLERANCE, DEFAULT_READ_TOKENS,
+                                DEFAULT_TILE_ROWS)
 from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD
 
 TRANSPORTS = ("nccl", "ipc", "auto")
@@ -74,15 +75,20 @@ class EplbConfig:
     one token in a step reads its expert's weights once, which costs as much as this many
     tokens of expert work. With few tokens per step (decode) cold experts' slots are often
     empty, and the planner spreads them so that no GPU reads more weights than it must;
-    the tokens per step come from the recorded window (its load over its steps). When
-    every slot expects at least 8 tokens per step (prefill, large batches) nothing
-    changes. 0 = off (balance tokens only). Measured in benchmarks/README.md (issue 29,
+    the tokens per step come from the recorded window (its load over its steps). A slot
+    reads once per `tile_rows` of its tokens. 0 = off (balance tokens only). Measured in benchmarks/README.md (issue 29,
     target 3)."""
     dispatch_tokens: float = DEFAULT_DISPATCH_TOKENS
     """Decode-aware packing: one more token on the GPU that receives the most costs this
     many tokens of expert work in its dispatch and combine all-to-all, so the planner
     does not spread reads at the price of a slower exchange (inf: the busiest GPU's
     tokens never rise). Measured with `read_tokens` (benchmarks/README.md, issue 29)."""
+    tile_rows: float = DEFAULT_TILE_ROWS
+    """Decode-aware packing: a grouped GEMM reads an expert's weights once per tile of this
+    many of a slot's tokens (128 on an H200, measured), so a slot with 129 tokens reads
+    twice. With a plan in force, a layer whose GPUs cost more in tokens and reads than
+    DeepSeek's fresh plan of the same load takes DeepSeek's replica counts and is spread
+    again (benchmarks/README.md, issue 29, 2026-12-04). 0 = one read per non-empty slot."""
     zero_load_warn_steps: int = 100
     """At this step, warn once (rank 0) if no rank recorded any load in its window yet:
     the model is not adding the tokens each slot receives into `expert_load_view`
@@ -172,6 +178,7 @@ class EplbConfig:
         check_min_gain(self.shift_threshold, "shift_threshold")
         check_read_tokens(self.read_tokens)
         check_dispatch_tokens(self.dispatch_tokens)
+        check_read_tokens(self.tile_rows, "tile_rows")
         if (isinstance(self.zero_load_warn_steps, bool) or not isinstance(self.zero_load_warn_steps, int)
                 or self.zero_load_warn_steps < 0):
             raise ValueError(f"zero_load_warn_steps must be an int >= 0 (0 = never warn), "

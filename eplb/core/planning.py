@@ -14,7 +14,7 @@ import numpy as np
 
 from eplb.core.loadio import MAX_EXPERTS, MAX_SLOTS, as_load
 from eplb.core.placement import Placement
-from eplb.core.policy.base import DEFAULT_DISPATCH_TOKENS, DEFAULT_MOVE_TOLERANCE, PolicyOptions
+from eplb.core.policy.base import DEFAULT_DISPATCH_TOKENS, DEFAULT_MOVE_TOLERANCE, DEFAULT_TILE_ROWS, PolicyOptions
 from eplb.core.policy.registry import get_policy
 
 
@@ -32,6 +32,7 @@ def plan(
     read_tokens: float = 0.0,
     step_choices: float = 0.0,
     dispatch_tokens: float = DEFAULT_DISPATCH_TOKENS,
+    tile_rows: float = DEFAULT_TILE_ROWS,
 ) -> Placement:
     """Compute a placement for `load` ([L, N] or [T, L, N], numpy or torch; T is summed).
 
@@ -43,7 +44,9 @@ def plan(
     `read_tokens` > 0 makes the planner decode-aware: a slot's weight read costs that many
     tokens whenever the slot gets a token, out of `step_choices` token-expert choices per
     step and layer, and raising the busiest GPU's tokens costs `dispatch_tokens` per token
-    (its all-to-all; inf: never raised) (`eplb.core.policy.balanced.reads`).
+    (its all-to-all; inf: never raised); a slot reads its weights once per `tile_rows`
+    tokens (the grouped GEMM's row tile; 0: once whenever it gets a token)
+    (`eplb.core.policy.balanced.reads`).
 
     An all-zero load (or an all-zero layer) is legitimate, e.g. a window with no traffic:
     it gives a valid placement (every expert has a replica, no division by zero); all
@@ -69,7 +72,8 @@ def plan(
         raise ValueError("read_tokens needs step_choices > 0 (token-expert choices per step and layer)")
     options = PolicyOptions(move_tolerance=check_move_tolerance(move_tolerance), weighted=bool(weighted),
                             read_tokens=read_tokens, step_choices=step_choices,
-                            dispatch_tokens=check_dispatch_tokens(dispatch_tokens))
+                            dispatch_tokens=check_dispatch_tokens(dispatch_tokens),
+                            tile_rows=check_read_tokens(tile_rows, "tile_rows"))
 
     big = load.max(axis=1) > _RESCALE_ABOVE  # [L]: sums of such loads could overflow to inf
     if big.any():

@@ -47,7 +47,7 @@ from eplb.core.cost_model import ExpertCost, LinkModel, ModelShape, exchange_sec
 from eplb.core.placement import Placement
 from eplb.core.config import EplbConfig
 from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD, check_topology, positive_int
-from eplb.core.policy.base import DEFAULT_DISPATCH_TOKENS, DEFAULT_MOVE_TOLERANCE
+from eplb.core.policy.base import DEFAULT_DISPATCH_TOKENS, DEFAULT_MOVE_TOLERANCE, DEFAULT_TILE_ROWS
 from eplb.core.replay import Block, oracle_blocks, rebalance_steps, replay_policy
 from eplb.core.workload import check_trace
 
@@ -151,7 +151,7 @@ def _blocks(kind: str, trace: np.ndarray, initial: Placement, steps: list[int], 
     return replay_policy(trace, initial, steps, window, "default",
                          dict(kw, weighted=weighted, move_tolerance=opts.move_tolerance,
                               read_tokens=opts.read_tokens, step_choices=opts.step_choices,
-                              dispatch_tokens=opts.dispatch_tokens),
+                              dispatch_tokens=opts.dispatch_tokens, tile_rows=opts.tile_rows),
                          decay=opts.decay, min_gain=opts.min_gain, progress=progress,
                          shift_threshold=opts.shift_threshold, check_every=check_every,
                          tokens_per_step=tokens_per_step)
@@ -173,13 +173,14 @@ class PlanOptions:
     # plan_scale alone, the trace's counts): reads are set against it, shift checks' noise too
     step_choices: float = 0.0
     dispatch_tokens: float = DEFAULT_DISPATCH_TOKENS  # a token more on the busiest GPU's all-to-all
+    tile_rows: float = DEFAULT_TILE_ROWS  # a slot's tokens per weight read (0: one read per slot)
     # model steps between two shift checks (EplbConfig's; 0 = no early rebalances)
     control_interval: int = DEFAULT_CONTROL_INTERVAL
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("move_tolerance", "weighted", "decay", "min_gain",
                                               "shift_threshold", "read_tokens", "step_choices",
-                                              "dispatch_tokens", "control_interval")}
+                                              "dispatch_tokens", "tile_rows", "control_interval")}
 
     def check_every(self, interval: int, serving_steps: int) -> float | None:
         """The share of a trace step between two shift checks when an interval of

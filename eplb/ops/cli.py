@@ -312,6 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar="D", help="with --cost: a token more on the busiest GPU costs D tokens in "
                                       "its dispatch and combine (inf: decode-aware packing never "
                                       f"raises it; default {EplbConfig.dispatch_tokens:g}, as EplbConfig)")
+    sm.add_argument("--tile-rows", type=_float("--tile-rows"), default=None, metavar="T",
+                    help="with --cost: decode-aware packing counts a weight read per T tokens of a slot "
+                         f"(the grouped GEMM's row tile; default {EplbConfig.tile_rows:g}, as EplbConfig; "
+                         "0 = one read per slot with tokens)")
     sm.add_argument("--min-gain", type=_float("--min-gain"), default=EplbConfig.min_gain, metavar="G",
                     help=f"skip a rebalance whose plan raises the window's predicted balancedness "
                          f"by less than G (default {EplbConfig.min_gain}, as EplbConfig; 0 = never)")

@@ -137,6 +137,8 @@ def run_cost(a: argparse.Namespace, trace: np.ndarray, source: str) -> int:
                        dispatch_tokens=check_dispatch_tokens(
                            EplbConfig.dispatch_tokens if a.dispatch_tokens is None else a.dispatch_tokens,
                            "--dispatch-tokens"),
+                       tile_rows=check_read_tokens(
+                           EplbConfig.tile_rows if a.tile_rows is None else a.tile_rows, "--tile-rows"),
                        control_interval=(EplbConfig.control_interval if a.control_interval is None
                                          else a.control_interval))
     print(f"eplb simulate --cost {a.cost}: {source}: {T} steps x {L} layers x {Nt} experts as "
@@ -191,7 +193,7 @@ def plan_options_text(opts: PlanOptions) -> str:
             f"{' (off)' if opts.shift_threshold == 0 else ''}"
             f"{_checks_text(opts) if opts.shift_threshold > 0 else ''}"
             f", read tokens {opts.read_tokens:g}"
-            f"{f' (dispatch tokens {opts.dispatch_tokens:g})' if opts.read_tokens > 0 else ' (off)'}")
+            f"{f' (dispatch tokens {opts.dispatch_tokens:g}, tile rows {opts.tile_rows:g})' if opts.read_tokens > 0 else ' (off)'}")
 
 
 def _checks_text(opts: PlanOptions) -> str:

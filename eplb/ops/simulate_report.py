@@ -34,7 +34,8 @@ def run_simulate(a: argparse.Namespace) -> int:
         return run_cost(a, trace, a.trace if a.aggregate == 1 else f"{a.trace} (aggregate {a.aggregate})")
     if len(a.num_gpus) != 1:
         raise ValueError("--num-gpus lists several EP sizes only with --cost")
-    for opt, value in (("--read-tokens", a.read_tokens), ("--dispatch-tokens", a.dispatch_tokens)):
+    for opt, value in (("--read-tokens", a.read_tokens), ("--dispatch-tokens", a.dispatch_tokens),
+                       ("--tile-rows", a.tile_rows)):
         if value is not None:
             raise ValueError(f"{opt} needs --cost (the tokens per step come from --tokens-per-gpu)")
     if a.control_interval is not None:

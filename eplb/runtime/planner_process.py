@@ -34,7 +34,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from eplb.core.policy.base import DEFAULT_DISPATCH_TOKENS, DEFAULT_MOVE_TOLERANCE
+from eplb.core.policy.base import DEFAULT_DISPATCH_TOKENS, DEFAULT_MOVE_TOLERANCE, DEFAULT_TILE_ROWS
 
 log = logging.getLogger("eplb.runtime.planner_process")
 
@@ -131,13 +131,14 @@ class PlannerProcess:
              policy: str = "default", previous=None, *,
              move_tolerance: float = DEFAULT_MOVE_TOLERANCE, weighted: bool = False,
              read_tokens: float = 0.0, step_choices: float = 0.0,
-             dispatch_tokens: float = DEFAULT_DISPATCH_TOKENS):
+             dispatch_tokens: float = DEFAULT_DISPATCH_TOKENS, tile_rows: float = DEFAULT_TILE_ROWS):
         """`eplb.core.planning.plan(...)`, computed in the child; returns a Placement."""
         return self._call(dict(load=np.asarray(load), num_gpus=num_gpus, num_slots=num_slots,
                                num_nodes=num_nodes, num_groups=num_groups, policy=policy,
                                previous=previous, move_tolerance=move_tolerance,
                                weighted=weighted, read_tokens=read_tokens,
-                               step_choices=step_choices, dispatch_tokens=dispatch_tokens))
+                               step_choices=step_choices, dispatch_tokens=dispatch_tokens,
+                               tile_rows=tile_rows))
 
     def _kill(self) -> None:
         proc, self._proc = self._proc, None

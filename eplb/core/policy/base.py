@@ -19,6 +19,9 @@ DEFAULT_DISPATCH_TOKENS = 40.0
 # decode-aware packing in the runtime (EplbConfig.read_tokens): a weight read costs this
 # many tokens of expert work (same section of benchmarks/README.md)
 DEFAULT_READ_TOKENS = 100.0
+# decode-aware packing: a grouped GEMM reads an expert's weights once per tile of this many
+# of its tokens (the 128-row tiles measured on an H200, benchmarks/README.md, issue 29)
+DEFAULT_TILE_ROWS = 128.0
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class PolicyOptions:
     read_tokens: float = 0.0  # decode-aware packing: a weight read costs this many tokens (0 = off)
     step_choices: float = 0.0  # token-expert choices per step and layer (what read_tokens is set against)
     dispatch_tokens: float = DEFAULT_DISPATCH_TOKENS  # decode-aware packing: a token more on the busiest GPU's all-to-all
+    tile_rows: float = DEFAULT_TILE_ROWS  # decode-aware packing: tokens per weight read of a slot (0: one read per slot)
 
 
 class PolicyFn(Protocol):

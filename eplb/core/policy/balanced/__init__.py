@@ -49,7 +49,7 @@ import numpy as np
 from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
 from eplb.core.policy.deepseek import deepseek_policy
 from eplb.core.policy.balanced.moves import plan_rows
-from eplb.core.policy.balanced.reads import spread_reads
+from eplb.core.policy.balanced.reads import fresh_reference, layer_cost, spread_reads
 from eplb.core.policy.balanced.shares import plan_shares, replica_shares
 from eplb.core.policy.balanced.topology import plan_hierarchical
 
@@ -93,9 +93,12 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
     node load is within the same tolerance.
 
     `options.read_tokens` > 0 (decode-aware packing, not with weighted replicas): a last
-    pass balances tokens plus the weight reads of slots that may get no token in a step
-    (`options.step_choices` token-expert choices per step; see `reads`), kept per row when
-    it lowers the largest GPU cost by more than tol (any gain without `previous`).
+    pass balances tokens plus the weight reads of the slots (one per `options.tile_rows`
+    tokens, none for a slot that gets no token in a step; `options.step_choices`
+    token-expert choices per step; see `reads`), kept per row when it lowers the largest
+    GPU cost by more than tol (any gain without `previous`). With `previous`, a layer that
+    costs more that way than DeepSeek's fresh plan of the same load is brought down to
+    that cost (through DeepSeek's replica counts when that moves less).
 
     `options.weighted`: also return per-slot shares [L, P] (each expert's shares sum to
     1). With shares, balance is limited only by where the replicas are (a flow problem),
@@ -128,9 +131,13 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
         reads = 0.0 if options is None else float(options.read_tokens)
         if reads > 0:  # decode-aware: spread the weight reads of cold slots (`reads`)
             rows = k if hierarchical else 1
-            p2l = spread_reads(w, p2l.reshape(L * rows, P // rows), M // rows,
-                               float(options.step_choices), reads, rows,
+            choices, tiles = float(options.step_choices), float(options.tile_rows)
+            reference = None  # no layer may cost more than a fresh packing of DeepSeek's counts
+            if not hierarchical and tiles > 0:
+                reference = layer_cost(w, fresh_reference(w, P, M), M, choices, reads, tiles)  # [L] x 2
+            p2l = spread_reads(w, p2l.reshape(L * rows, P // rows), M // rows, choices, reads, rows,
                                min_gain=tol if prev is not None else 0.0,
-                               dispatch_tokens=float(options.dispatch_tokens)).reshape(L, P)
+                               dispatch_tokens=float(options.dispatch_tokens), tile_rows=tiles,
+                               reference=reference).reshape(L, P)
         return p2l
     return plan_shares(w, p2l, M, k, hierarchical, prev, tol)

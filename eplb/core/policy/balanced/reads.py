@@ -1,97 +1,235 @@
 """Decode-aware packing: count the weight reads of lightly loaded slots.
 
-A GPU's expert work is a grouped GEMM over its local slots. Each slot that gets at least
-one token in a step reads that expert's weights once; in decode (few tokens per step) a
-read costs as much as computing many tokens, and the slots of cold experts are often
-empty. Balancing tokens alone can then give one GPU more non-empty
-slots than another: it reads more weights and is the slowest (issue 29).
+A GPU's expert work is a grouped GEMM over its local slots. A slot reads its expert's
+weights once per tile of `tile_rows` of its tokens in a step (none when it gets none); in
+decode (few tokens per step) a read costs as much as computing many tokens, the slots of
+cold experts are often empty, and a hot slot just above a tile's rows reads twice.
+Balancing tokens alone can then give one GPU more reads than another: it is the slowest
+(issue 29).
 
-In token units, a slot with an expected `lam` tokens per step (Poisson) costs
+In token units, a slot with an expected `lam` tokens per step (Poisson, X) costs
 
-    lam + read_tokens * (1 - exp(-lam))      # tokens, plus a read when it is not empty
+    lam + read_tokens * E[ceil(X / tile_rows)]    # tokens, plus a read per tile
+                                                 # (tile_rows 0: P(X >= 1), one read)
 
 and this pass lowers the largest per-GPU sum of that cost by swapping slots between the
 costliest GPU and the others, one pair of slots at a time. Replica counts and node
 locality do not change. A GPU's tokens also set its share of the dispatch and combine
 all-to-all, which reads do not enter: raising the row's busiest GPU tokens by one costs
 `dispatch_tokens` (inf: the pass never raises them), so the pass does not make the
-exchange slower by more than it makes the GEMMs faster. Before the pass the plan
-balances tokens, so the busiest GPU's tokens are close to the mean and cold slots (few
-tokens each) can swap without raising them. A row keeps the result only when this
-objective (`objective`) falls by more than `min_gain` (relative): each swap is two
-copies. When every slot expects at least `WARM_TOKENS` tokens per step the read term is
-the same on every GPU (every slot reads) and the pass does nothing. The runtime's
-defaults (`EplbConfig.read_tokens`, `dispatch_tokens`) and what they were measured
-against: benchmarks/README.md, "Issue 29, target 3 ... on by default".
+exchange slower by more than it makes the GEMMs faster. A row keeps the result only when
+this objective (`objective`) falls by more than `min_gain` (relative): each swap is two
+copies. With `tile_rows` 0 and every slot expecting at least `WARM_TOKENS` tokens per step
+the read term is the same on every GPU (every slot reads once) and the pass does nothing.
+
+With a plan in force, kept layouts keep the replica counts they started from (those of
+the start-up placement, at first), which token balance cannot tell apart and reads can: a
+row costlier than DeepSeek's fresh plan of the same load (`reference`, `layer_cost`)
+catches up with it, through DeepSeek's replica counts when that is cheaper
+(`spread_reads`). The runtime's defaults (`EplbConfig.read_tokens`, `dispatch_tokens`,
+`tile_rows`) and what they were measured against: benchmarks/README.md, issue 29 ("Target
+3 ... on by default" and 2026-12-04).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from eplb.core.policy.base import DEFAULT_TILE_ROWS
+from eplb.core.policy.balanced.moves import transition
+from eplb.core.policy.balanced.packing import pack, repair_duplicates
+from eplb.core.policy.balanced.refinement import improve_max
+from eplb.core.policy.balanced.replicas import replica_counts
 from eplb.core.policy.balanced.rows import REL_EPS, counts_of, gpu_sums, presence
 
 WARM_TOKENS = 8.0  # a slot expecting this many tokens per step is empty with p < 0.04%
+# a row costlier than DeepSeek's fresh plan catches up with it pricing a token more on its
+# busiest GPU at one token of work (not `dispatch_tokens`): the reference's own cost counts
+# its tokens at that price (benchmarks/README.md, issue 29, 2026-12-04)
+CATCH_UP_DISPATCH_TOKENS = 1.0
 READ_ITERS = 200  # most swaps per row (the search stops earlier when no swap gains)
 SWAP_MIN_GAIN = 1e-4  # a swap must lower the costliest GPU by this fraction of the mean GPU cost
 
 
 def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, read_tokens: float,
                  rows_per_layer: int = 1, min_gain: float = 0.0,
-                 dispatch_tokens: float = np.inf) -> np.ndarray:
+                 dispatch_tokens: float = np.inf, tile_rows: float = DEFAULT_TILE_ROWS,
+                 reference: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """The decode-aware pass over a plan.
 
     w [L, n] loads of each layer; p2l [L * rows_per_layer, p] the plan's rows (with nodes:
     one row per (layer, node), `m` GPUs each); step_choices: token-expert choices per step
     and layer over all GPUs (tokens x top_k); read_tokens: the cost of one weight read in
-    tokens. Returns the rows with the lowest largest GPU cost found."""
+    tokens; tile_rows: the rows of one GEMM tile, each of which reads the weights again
+    (0: one read per non-empty slot). Rows are improved by swaps when that lowers their
+    largest GPU cost by more than `min_gain` (relative).
+
+    reference (cost [L], tokens [L]), given with a plan in force: the largest GPU cost and
+    the busiest GPU's tokens of DeepSeek's fresh plan of each layer (`layer_cost`). A row
+    costlier than its layer's reference cost is brought down to it whatever `min_gain`
+    says, by the cheaper of two candidates: swaps alone, or (one row per layer) first the
+    move to DeepSeek's replica counts with one copy per changed count
+    (`moves.transition`), then swaps; its busiest GPU's tokens may then rise to the
+    reference's. Kept layouts otherwise keep the replica counts they started from, which
+    token balance cannot tell apart but tiles can (benchmarks/README.md, issue 29).
+    Returns the rows with the lowest largest GPU cost found."""
     if read_tokens <= 0 or step_choices <= 0 or m < 2:
         return p2l
     n = w.shape[1]
     R, p = p2l.shape
     layer = np.arange(R) // rows_per_layer  # [R] the layer of each row
     total = w.sum(1)[layer]  # [R] the layer's load
-    c = counts_of(p2l, n)  # [R, n] replicas in the row
-    share = np.divide(w[layer], total[:, None] * np.maximum(c, 1), out=np.zeros((R, n)),
-                      where=total[:, None] > 0)  # [R, n] one replica's share of its layer's load
-    lam = share * step_choices  # [R, n] tokens per step on each replica of an expert
-    cost = lam + read_tokens * -np.expm1(-lam)  # [R, n] per slot of each expert
+    lam_e = np.divide(w[layer] * step_choices, total[:, None], out=np.zeros((R, n)),
+                      where=total[:, None] > 0)  # [R, n] tokens per step of each expert
+    c = counts_of(p2l, n)  # [R, n]
     r = np.arange(R)[:, None]
-    sums = gpu_sums(cost[r, p2l], m)  # [R, m]
-    # rows where some slot may be empty; swaps keep a row's total cost, so no GPU ends below
-    # the mean: rows whose costliest GPU is within min_gain of the mean cannot gain enough
-    # (most rows when a plan is in force)
-    cold = (lam[r, p2l] < WARM_TOKENS).any(1)
-    can = cold & (sums.max(1) * (1.0 - min_gain) > sums.mean(1) * (1.0 + REL_EPS))
-    rows = np.nonzero(can)[0]
-    if rows.size == 0:
+    lam = lam_e / np.maximum(c, 1)  # [R, n] tokens per step on one slot of each expert
+    # rows whose every slot reads anyway (each expects WARM_TOKENS or more) are left to the
+    # token balance, tiles or not: their reads differ from GPU to GPU by the rounding of
+    # tiles at most, and searching every warm row costs tens of ms at the DeepSeek-V3 shape.
+    # Only the catch-up with the reference looks at every row
+    cold = (lam[r, p2l] < WARM_TOKENS).any(1)  # [R]
+    look = np.ones(R, dtype=bool) if reference is not None else cold
+    if not look.any():
         return p2l
-    cost, lam = cost[rows], lam[rows]  # [R', n]
-    before = objective(cost, lam, p2l[rows], m, dispatch_tokens)  # [R']
-    new = swap_down(cost, lam, p2l[rows], m, n, READ_ITERS, dispatch_tokens)  # [R', p]
-    after = objective(cost, lam, new, m, dispatch_tokens, p2l[rows])
-    keep = after < before * (1.0 - min_gain)
+    cost = np.zeros((R, n))
+    cost[look] = lam[look] + read_tokens * expected_tiles(lam[look], tile_rows)  # [R, n] one slot's
+    sums = gpu_sums(cost[r, p2l], m)  # [R, m]
+    top = sums.max(1)  # [R]
+    base_tok = gpu_sums(lam[r, p2l], m).max(1)  # [R] the busiest GPU's tokens
+    # swaps keep a row's total cost, so no GPU ends below the mean: rows whose costliest GPU
+    # is within min_gain of the mean cannot gain enough (most rows when a plan is in force)
+    can = cold & (top * (1.0 - min_gain) > sums.mean(1) * (1.0 + REL_EPS))
     out = p2l.copy()
-    out[rows[keep]] = new[keep]
+    over = np.zeros(R, dtype=bool)
+    if reference is not None:
+        ref_cost, ref_tok = reference[0][layer], reference[1][layer]  # [R]
+        over = top > ref_cost * (1.0 + REL_EPS)  # costlier than DeepSeek's fresh plan
+    rows = np.nonzero(can & ~over)[0]
+    if rows.size:
+        new = swap_down(cost[rows], lam[rows], p2l[rows], m, n, READ_ITERS, dispatch_tokens)  # [R', p]
+        after = objective(cost[rows], lam[rows], new, m, dispatch_tokens, base_tok[rows])
+        keep = after < top[rows] * (1.0 - min_gain)
+        out[rows[keep]] = new[keep]
+    rows = np.nonzero(over)[0]
+    if rows.size:
+        # the busiest GPU's tokens may rise to the reference's, then at the lower of the two
+        # prices; dispatch_tokens inf: never
+        price = min(dispatch_tokens, CATCH_UP_DISPATCH_TOKENS)
+        cap = base_tok[rows] if np.isinf(price) else np.maximum(base_tok[rows], ref_tok[rows])  # [R']
+        target = ref_cost[rows]  # [R']
+        cands = [p2l[rows]]
+        if rows_per_layer == 1:  # the row holds every expert: DeepSeek's counts are the row's
+            wr = w[rows]
+            moved = transition(wr, p2l[rows], replica_counts(wr, p, m), m)
+            # the copies land where the surplus replicas were: re-balance the tokens first
+            # (max-GPU moves to the token cap, in load units)
+            moved, _ = improve_max(wr, moved, m, m, budget=READ_ITERS, target=cap * total[rows] / step_choices,
+                                   fix=True)
+            cands.append(moved)
+        best, best_after, best_moves = p2l[rows], top[rows], np.zeros(rows.size, dtype=np.int64)
+        for start in cands:
+            cs, ls = per_slot(lam_e[rows], counts_of(start, n), read_tokens, tile_rows)
+            new = swap_down(cs, ls, start, m, n, READ_ITERS, price, target, cap)
+            after = objective(cs, ls, new, m, price, cap)
+            moves = (new != p2l[rows]).sum(1)
+            # the first to reach the target with fewer moves; while none does, the lower cost
+            done, was = after <= target * (1.0 + REL_EPS), best_after <= target * (1.0 + REL_EPS)
+            better = np.where(done & was, moves < best_moves, (done & ~was) | (~was & (after < best_after)))
+            best = np.where(better[:, None], new, best)
+            best_after = np.where(better, after, best_after)
+            best_moves = np.where(better, moves, best_moves)
+        keep = best_after < top[rows] * (1.0 - REL_EPS)
+        out[rows[keep]] = best[keep]
     return out
 
 
+def fresh_reference(w: np.ndarray, p: int, m: int) -> np.ndarray:
+    """p2l [L, p]: DeepSeek's replica counts (`replica_counts`) packed afresh for tokens
+    (`pack`, duplicates repaired), the fresh plan a kept layout's cost is held against. It
+    stands for DeepSeek's own plan (the same counts, a token-balancing packing) at the
+    cost of a packing: DeepSeek's code takes 20-110 ms at the DeepSeek-V3 shape."""
+    return repair_duplicates(w, pack(w, replica_counts(w, p, m), m), m)
+
+
+def layer_cost(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, read_tokens: float,
+               tile_rows: float = DEFAULT_TILE_ROWS) -> tuple[np.ndarray, np.ndarray]:
+    """(cost [L], tokens [L]): the largest GPU cost (tokens plus weight reads, as the pass
+    counts them) and the busiest GPU's tokens per step of each layer's placement p2l [L, P]
+    on m GPUs, for loads w [L, n]."""
+    total = w.sum(1, keepdims=True)  # [L, 1]
+    lam_e = np.divide(w * step_choices, total, out=np.zeros(w.shape), where=total > 0)  # [L, n]
+    cost, lam = per_slot(lam_e, counts_of(p2l, w.shape[1]), read_tokens, tile_rows)  # [L, n]
+    r = np.arange(len(p2l))[:, None]
+    return gpu_sums(cost[r, p2l], m).max(1), gpu_sums(lam[r, p2l], m).max(1)
+
+
+def expected_tiles(lam: np.ndarray, tile_rows: float) -> np.ndarray:
+    """E[ceil(X / tile_rows)] for X ~ Poisson(lam): the weight reads of a slot expecting
+    `lam` tokens per step, one per tile of `tile_rows` rows (0: one per non-empty slot,
+    P(X >= 1)). The tiles past the first, P(X > k tile_rows) for k >= 1, use the normal
+    approximation of the Poisson tail (with continuity correction), close where it matters
+    (lam near a multiple of tile_rows, tens of tokens or more); terms more than `_TAIL`
+    standard deviations away are 1 or 0, so only the few in between are computed."""
+    out = -np.expm1(-lam)  # P(X >= 1)
+    if tile_rows <= 0 or lam.size == 0:
+        return out
+    sd = np.sqrt(lam)
+    i = np.flatnonzero(lam + _TAIL * sd + 0.5 >= tile_rows)  # slots that may need a second tile
+    if i.size == 0:
+        return out
+    li, si = lam.flat[i], sd.flat[i]
+    first = np.maximum(1, np.floor((li - _TAIL * si - 0.5) / tile_rows) + 1)  # [K] first k not surely 1
+    last = np.floor((li + _TAIL * si) / tile_rows)  # [K] last k not surely 0
+    extra = first - 1  # the terms that are 1
+    for j in range(int((last - first).max()) + 1 if i.size else 0):
+        k = first + j
+        on = k <= last
+        extra += np.where(on, 0.5 * erfc((k * tile_rows + 0.5 - li) / (np.sqrt(2.0) * np.maximum(si, 1e-12))), 0.0)
+    out.flat[i] += extra
+    return out
+
+
+_TAIL = 8.0  # expected_tiles: standard deviations beyond which a tile's term is 0 or 1
+
+
+def erfc(x: np.ndarray) -> np.ndarray:
+    """The complementary error function, elementwise (fractional error below 1.2e-7;
+    numpy has none): the Chebyshev fit of Numerical Recipes' erfcc."""
+    z = np.abs(x)
+    t = 1.0 / (1.0 + 0.5 * z)
+    poly = (-z * z - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
+            -0.82215223 + t * 0.17087277)))))))))
+    r = t * np.exp(poly)
+    return np.where(x >= 0, r, 2.0 - r)
+
+
+def per_slot(lam_e: np.ndarray, c: np.ndarray, read_tokens: float, tile_rows: float):
+    """(cost, tokens) [R, n] of one slot of each expert with `c` replicas: tokens per step
+    `lam_e / c` plus `read_tokens` per expected weight read (`expected_tiles`)."""
+    lam = lam_e / np.maximum(c, 1)
+    return lam + read_tokens * expected_tiles(lam, tile_rows), lam
+
+
 def objective(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int,
-              dispatch_tokens: float, base: np.ndarray | None = None) -> np.ndarray:
-    """[R] what the pass lowers: the largest per-GPU cost of the rows `p2l [R, p]`, plus
-    `dispatch_tokens` x how far their busiest GPU's tokens exceed those of `base` (the
-    plan before the pass; inf when they exceed them and dispatch_tokens is inf)."""
+              dispatch_tokens: float, base_tokens: np.ndarray | None = None) -> np.ndarray:
+    """[R] what the pass lowers: the largest per-GPU cost of the rows `p2l [R, p]` (cost,
+    tokens [R, n]: one slot's of each expert), plus `dispatch_tokens` x how far their
+    busiest GPU's tokens exceed `base_tokens [R]` (those of the plan before the pass; inf
+    when they exceed them and dispatch_tokens is inf)."""
     r = np.arange(p2l.shape[0])[:, None]
     out = gpu_sums(cost[r, p2l], m).max(1)
-    if base is None:
+    if base_tokens is None:
         return out
-    rise = gpu_sums(tokens[r, p2l], m).max(1) - gpu_sums(tokens[r, base], m).max(1) * (1 + REL_EPS)
+    rise = gpu_sums(tokens[r, p2l], m).max(1) - base_tokens * (1 + REL_EPS)
     if np.isinf(dispatch_tokens):
         return np.where(rise > 0, np.inf, out)
     return out + dispatch_tokens * np.maximum(rise, 0.0)
 
 
 def swap_down(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int, n: int,
-              iters: int, dispatch_tokens: float = np.inf) -> np.ndarray:
+              iters: int, dispatch_tokens: float = np.inf, target: np.ndarray | None = None,
+              cap: np.ndarray | None = None) -> np.ndarray:
     """Greedy swaps that lower every row's largest per-GPU cost, all rows at once.
 
     cost [R, n], tokens [R, n]: one slot's cost and tokens per expert; p2l [R, p]. Each
@@ -101,7 +239,9 @@ def swap_down(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int, n: 
     at most the row's largest GPU tokens so far (`cap`); with a finite `dispatch_tokens`
     a swap may raise the cap, at that price per token. A swap must gain `SWAP_MIN_GAIN` of
     the row's mean GPU cost; a row without such a swap is done (nothing else changes it),
-    so each iteration works on the rows still gaining."""
+    so each iteration works on the rows still gaining. target [R] (optional): a row stops
+    once its costliest GPU is at or below it; cap [R] (optional): the busiest GPU's tokens
+    to start from (default: those of `p2l`)."""
     R, p = p2l.shape
     s = p // m
     if R == 0 or s == 0:
@@ -111,7 +251,8 @@ def swap_down(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int, n: 
     x = cost[r[:, None], p2l].reshape(R, m, s)  # [R, m, s] cost per slot
     t = tokens[r[:, None], p2l].reshape(R, m, s)  # [R, m, s] tokens per slot
     load, tok = x.sum(2), t.sum(2)  # [R, m]
-    cap = tok.max(1) * (1 + REL_EPS)  # [R] no GPU may end above the busiest GPU's tokens
+    cap = (tok.max(1) if cap is None else np.maximum(cap, 0.0)) * (1 + REL_EPS)  # [R] no GPU may end above
+    stop = np.zeros(R) if target is None else target * (1 + REL_EPS)  # [R]
     eps = np.maximum(SWAP_MIN_GAIN * load.mean(1), 1e-300)  # [R]
     on = presence(p2l, m, n)  # [R, m, n]
     e3 = p2l.reshape(R, m, s)  # [R, m, s] a view: swaps below update p2l
@@ -161,4 +302,5 @@ def swap_down(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int, n: 
         tok[rr, hh] += tb - ta
         tok[rr, g] += ta - tb
         cap[rr] = np.maximum(cap[rr], np.maximum(tok[rr, hh], tok[rr, g]))
+        act = act[load[act].max(1) > stop[act]]  # rows at their target are done
     return p2l
