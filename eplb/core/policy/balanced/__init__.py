@@ -34,7 +34,9 @@ The modules, one job each:
   problems a second candidate starts from DeepSeek's hierarchical placement (duplicates
   repaired) and the better one is kept per layer;
 - `reads`: decode-aware packing (`options.read_tokens`): pair exchanges that balance tokens
-  plus the weight reads of slots that may get no token in a step;
+  plus the weight reads of the slots (one per tile of `options.tile_rows` tokens, none for a
+  slot with no token in a step), and the catch-up of a layer costlier than a fresh packing
+  of DeepSeek's replica counts;
 - `shares`: weighted replicas (water-filling shares, and the wrap-around chain: a
   placement built so that shares can reach the mean GPU load exactly).
 
