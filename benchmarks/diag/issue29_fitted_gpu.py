@@ -88,6 +88,14 @@ def breakdown(trace: np.ndarray, blocks, M: int, choices: int, cost: FittedCost,
             "extra_tiles_busiest": float(np.mean(top)), "extra_tiles_all": float(np.mean(tot))}
 
 
+def steady_draw(seed: int) -> np.ndarray:
+    """[40, 4, 256] counts: benchmarks/issue29.py's steady-lognormal family drawn again
+    (lognormal(0, 1) shares, fixed over the steps, 2**17 choices per step and layer)."""
+    rng = np.random.default_rng(1000 + seed)
+    shares = np.repeat(rng.lognormal(0.0, 1.0, (4, 256))[None], 40, 0)  # [T, L, N]
+    return issue29._sample(shares, rng)
+
+
 def first_from_scratch() -> None:
     """Patch the replay: the first plan of each `default` replay uses tolerance 0."""
     pending = [False]
@@ -120,6 +128,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=1, help="Poisson seeds 0..S-1 (the ratio is their mean)")
     ap.add_argument("--dispatch-tokens", type=float, default=issue29.READS[1],
                     help="decode-aware packing's price of a token more on the busiest GPU (default: the runtime's)")
+    ap.add_argument("--steady-seed", type=int, default=None,
+                    help="replay a steady-lognormal trace drawn with this seed (profile and counts, "
+                         "default_rng(1000 + seed)) instead of --trace: other draws of the family")
     ap.add_argument("--first-from-scratch", action="store_true",
                     help="also replay the default with its first plan at tolerance 0 (a variant)")
     a = ap.parse_args()
@@ -140,7 +151,10 @@ def main() -> None:
     M = a.ep
     P = shape.num_experts + M
     tokens = issue29.TOKEN_PRESETS[preset]
-    trace = issue29._all_loads()[a.trace]
+    trace = issue29._all_loads()[a.trace] if a.steady_seed is None else steady_draw(a.steady_seed)
+    if a.steady_seed is not None:
+        a.trace = f"steady-lognormal draw {a.steady_seed}"
+        doc["trace"] = a.trace
     variants = [(float(x), False) for x in a.tolerances.split(",")]
     if a.first_from_scratch:
         variants.append((issue29._opts(0.05, M, shape, preset).move_tolerance, True))
