@@ -86,9 +86,10 @@ class EplbConfig:
     tile_rows: float = DEFAULT_TILE_ROWS
     """Decode-aware packing: a grouped GEMM reads an expert's weights once per tile of this
     many of a slot's tokens (128 on an H200, measured), so a slot with 129 tokens reads
-    twice. With a plan in force, a layer whose GPUs cost more in tokens and reads than
-    DeepSeek's fresh plan of the same load takes DeepSeek's replica counts and is spread
-    again (benchmarks/README.md, issue 29, 2026-12-04). 0 = one read per non-empty slot."""
+    twice. A layer (global placement) whose GPUs cost more in tokens and reads than
+    DeepSeek's replica counts packed afresh for the same load is brought down to that cost,
+    through those counts when that moves less (benchmarks/README.md, issue 29,
+    2026-12-04). 0 = one read per non-empty slot, and no such catch-up."""
     zero_load_warn_steps: int = 100
     """At this step, warn once (rank 0) if no rank recorded any load in its window yet:
     the model is not adding the tokens each slot receives into `expert_load_view`

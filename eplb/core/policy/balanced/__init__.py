@@ -98,9 +98,9 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
     pass balances tokens plus the weight reads of the slots (one per `options.tile_rows`
     tokens, none for a slot that gets no token in a step; `options.step_choices`
     token-expert choices per step; see `reads`), kept per row when it lowers the largest
-    GPU cost by more than tol (any gain without `previous`). With `previous`, a layer that
-    costs more that way than DeepSeek's fresh plan of the same load is brought down to
-    that cost (through DeepSeek's replica counts when that moves less).
+    GPU cost by more than tol (any gain without `previous`). With tiles and a global
+    placement, a layer that costs more that way than DeepSeek's replica counts packed
+    afresh is brought down to that cost (through those counts when that moves less).
 
     `options.weighted`: also return per-slot shares [L, P] (each expert's shares sum to
     1). With shares, balance is limited only by where the replicas are (a flow problem),

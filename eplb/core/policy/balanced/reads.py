@@ -22,11 +22,11 @@ this objective (`objective`) falls by more than `min_gain` (relative): each swap
 copies. With `tile_rows` 0 and every slot expecting at least `WARM_TOKENS` tokens per step
 the read term is the same on every GPU (every slot reads once) and the pass does nothing.
 
-With a plan in force, kept layouts keep the replica counts they started from (those of
-the start-up placement, at first), which token balance cannot tell apart and reads can: a
-row costlier than DeepSeek's fresh plan of the same load (`reference`, `layer_cost`)
-catches up with it, through DeepSeek's replica counts when that is cheaper
-(`spread_reads`). The runtime's defaults (`EplbConfig.read_tokens`, `dispatch_tokens`,
+Kept layouts keep the replica counts they started from (those of the start-up placement,
+at first), which token balance cannot tell apart and reads can: a row costlier than a
+fresh plan of the same load, DeepSeek's replica counts packed for tokens
+(`fresh_reference`, `layer_cost`), catches up with it, through those counts when that
+moves less (`spread_reads`). The runtime's defaults (`EplbConfig.read_tokens`, `dispatch_tokens`,
 `tile_rows`) and what they were measured against: benchmarks/README.md, issue 29 ("Target
 3 ... on by default" and 2026-12-04).
 """
@@ -42,7 +42,7 @@ from eplb.core.policy.balanced.replicas import replica_counts
 from eplb.core.policy.balanced.rows import REL_EPS, counts_of, gpu_sums, presence
 
 WARM_TOKENS = 8.0  # a slot expecting this many tokens per step is empty with p < 0.04%
-# a row costlier than DeepSeek's fresh plan catches up with it pricing a token more on its
+# a row costlier than the fresh reference catches up with it pricing a token more on its
 # busiest GPU at one token of work (not `dispatch_tokens`): the reference's own cost counts
 # its tokens at that price (benchmarks/README.md, issue 29, 2026-12-04)
 CATCH_UP_DISPATCH_TOKENS = 1.0
@@ -63,13 +63,14 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     (0: one read per non-empty slot). Rows are improved by swaps when that lowers their
     largest GPU cost by more than `min_gain` (relative).
 
-    reference (cost [L], tokens [L]), given with a plan in force: the largest GPU cost and
-    the busiest GPU's tokens of DeepSeek's fresh plan of each layer (`layer_cost`). A row
-    costlier than its layer's reference cost is brought down to it whatever `min_gain`
-    says, by the cheaper of two candidates: swaps alone, or (one row per layer) first the
-    move to DeepSeek's replica counts with one copy per changed count
-    (`moves.transition`), then swaps; its busiest GPU's tokens may then rise to the
-    reference's. Kept layouts otherwise keep the replica counts they started from, which
+    reference (cost [L], tokens [L]): the largest GPU cost and the busiest GPU's tokens of
+    a fresh plan of each layer (`fresh_reference`, `layer_cost`). A row costlier than its
+    layer's reference cost is brought down to it whatever `min_gain` says, by whichever of
+    two candidates gets there with fewer moves: swaps alone, or (one row per layer) first
+    the move to DeepSeek's replica counts with one copy per changed count
+    (`moves.transition`) and the tokens re-balanced, then swaps; its busiest GPU's tokens
+    may then rise to the reference's, and beyond at `CATCH_UP_DISPATCH_TOKENS` per token
+    (never with `dispatch_tokens` inf). Kept layouts otherwise keep the replica counts they started from, which
     token balance cannot tell apart but tiles can (benchmarks/README.md, issue 29).
     Returns the rows with the lowest largest GPU cost found."""
     if read_tokens <= 0 or step_choices <= 0 or m < 2:
@@ -103,7 +104,7 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     over = np.zeros(R, dtype=bool)
     if reference is not None:
         ref_cost, ref_tok = reference[0][layer], reference[1][layer]  # [R]
-        over = top > ref_cost * (1.0 + REL_EPS)  # costlier than DeepSeek's fresh plan
+        over = top > ref_cost * (1.0 + REL_EPS)  # costlier than the fresh reference
     rows = np.nonzero(can & ~over)[0]
     if rows.size:
         new = swap_down(cost[rows], lam[rows], p2l[rows], m, n, READ_ITERS, dispatch_tokens)  # [R', p]
@@ -181,7 +182,7 @@ def expected_tiles(lam: np.ndarray, tile_rows: float) -> np.ndarray:
     first = np.maximum(1, np.floor((li - _TAIL * si - 0.5) / tile_rows) + 1)  # [K] first k not surely 1
     last = np.floor((li + _TAIL * si) / tile_rows)  # [K] last k not surely 0
     extra = first - 1  # the terms that are 1
-    for j in range(int((last - first).max()) + 1 if i.size else 0):
+    for j in range(int((last - first).max()) + 1):
         k = first + j
         on = k <= last
         extra += np.where(on, 0.5 * erfc((k * tile_rows + 0.5 - li) / (np.sqrt(2.0) * np.maximum(si, 1e-12))), 0.0)
