@@ -76,8 +76,8 @@ class EplbConfig:
     tokens of expert work. With few tokens per step (decode) cold experts' slots are often
     empty, and the planner spreads them so that no GPU reads more weights than it must;
     the tokens per step come from the recorded window (its load over its steps). A slot
-    reads once per `tile_rows` of its tokens. 0 = off (balance tokens only). Measured in benchmarks/README.md (issue 29,
-    target 3)."""
+    reads once per `tile_rows` of its tokens. 0 = off (balance tokens only). Measured in
+    benchmarks/README.md (issue 29, target 3)."""
     dispatch_tokens: float = DEFAULT_DISPATCH_TOKENS
     """Decode-aware packing: one more token on the GPU that receives the most costs this
     many tokens of expert work in its dispatch and combine all-to-all, so the planner

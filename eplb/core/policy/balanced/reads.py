@@ -70,8 +70,9 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     the move to DeepSeek's replica counts with one copy per changed count
     (`moves.transition`) and the tokens re-balanced, then swaps; its busiest GPU's tokens
     may then rise to the reference's, and beyond at `CATCH_UP_DISPATCH_TOKENS` per token
-    (never with `dispatch_tokens` inf). Kept layouts otherwise keep the replica counts they started from, which
-    token balance cannot tell apart but tiles can (benchmarks/README.md, issue 29).
+    (never with `dispatch_tokens` inf). Kept layouts otherwise keep the replica counts
+    they started from, which token balance cannot tell apart but tiles can
+    (benchmarks/README.md, issue 29).
     Returns the rows with the lowest largest GPU cost found."""
     if read_tokens <= 0 or step_choices <= 0 or m < 2:
         return p2l
@@ -79,8 +80,7 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     R, p = p2l.shape
     layer = np.arange(R) // rows_per_layer  # [R] the layer of each row
     total = w.sum(1)[layer]  # [R] the layer's load
-    lam_e = np.divide(w[layer] * step_choices, total[:, None], out=np.zeros((R, n)),
-                      where=total[:, None] > 0)  # [R, n] tokens per step of each expert
+    lam_e = expert_tokens(w, step_choices)[layer]  # [R, n] tokens per step of each expert
     c = counts_of(p2l, n)  # [R, n]
     r = np.arange(R)[:, None]
     lam = lam_e / np.maximum(c, 1)  # [R, n] tokens per step on one slot of each expert
@@ -128,8 +128,9 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
                                    fix=True)
             cands.append(moved)
         best, best_after, best_moves = p2l[rows], top[rows], np.zeros(rows.size, dtype=np.int64)
-        for start in cands:
-            cs, ls = per_slot(lam_e[rows], counts_of(start, n), read_tokens, tile_rows)
+        for i, start in enumerate(cands):  # the first keeps its counts: its costs are known
+            cs, ls = (cost[rows], lam[rows]) if i == 0 else per_slot(lam_e[rows], counts_of(start, n),
+                                                                     read_tokens, tile_rows)
             new = swap_down(cs, ls, start, m, n, READ_ITERS, price, target, cap)
             after = objective(cs, ls, new, m, price, cap)
             moves = (new != p2l[rows]).sum(1)
@@ -157,11 +158,17 @@ def layer_cost(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, read
     """(cost [L], tokens [L]): the largest GPU cost (tokens plus weight reads, as the pass
     counts them) and the busiest GPU's tokens per step of each layer's placement p2l [L, P]
     on m GPUs, for loads w [L, n]."""
-    total = w.sum(1, keepdims=True)  # [L, 1]
-    lam_e = np.divide(w * step_choices, total, out=np.zeros(w.shape), where=total > 0)  # [L, n]
-    cost, lam = per_slot(lam_e, counts_of(p2l, w.shape[1]), read_tokens, tile_rows)  # [L, n]
+    cost, lam = per_slot(expert_tokens(w, step_choices), counts_of(p2l, w.shape[1]), read_tokens,
+                         tile_rows)  # [L, n]
     r = np.arange(len(p2l))[:, None]
     return gpu_sums(cost[r, p2l], m).max(1), gpu_sums(lam[r, p2l], m).max(1)
+
+
+def expert_tokens(w: np.ndarray, step_choices: float) -> np.ndarray:
+    """[L, n] tokens per step of each expert: its share of its layer's load w [L, n] of the
+    `step_choices` token-expert choices (0 for an all-zero layer)."""
+    total = w.sum(1, keepdims=True)  # [L, 1]
+    return np.divide(w * step_choices, total, out=np.zeros(w.shape), where=total > 0)
 
 
 def expected_tiles(lam: np.ndarray, tile_rows: float) -> np.ndarray:
