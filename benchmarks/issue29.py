@@ -18,7 +18,7 @@ spare slot per GPU, decode 128 and prefill 4,096 tokens per GPU) over:
 with the default planner as the runtime ships it (`EplbConfig`: shift-aware, checks every
 `--control-interval` 10 model steps of the 250 a trace step stands for, decode-aware
 packing with `--read-tokens 100 --dispatch-tokens 40`, each set against the preset's tokens
-per step) and the same without shift detection (`--shift-threshold 0`), against deepseek
+per step, `--steady-windows 2` earlier windows on a steady load) and the same without shift detection (`--shift-threshold 0`), against deepseek
 (schedule only, as published) and the oracle. Prints one table per
 model, trace and preset: tokens/s ratios default/deepseek and default/oracle, and the
 moves per rebalance. Writes `issue29.json` under `--out` (after every row).
@@ -89,7 +89,7 @@ def synthetic(T: int = 40, L: int = 4, N: int = 256) -> dict[str, np.ndarray]:
 
 def _plan_file(plans: Path, model: str, name: str, M: int, shift: float, preset: str) -> Path:
     r, d = READS
-    return plans / f"{model}-{name}-M{M}-{preset}-shift{shift:g}-ci{CONTROL[0]}-r{r:g}-d{d:g}.npz"
+    return plans / f"{model}-{name}-M{M}-{preset}-shift{shift:g}-ci{CONTROL[0]}-r{r:g}-d{d:g}-s{STEADY[0]}.npz"
 
 
 def _plans(model: str, name: str, M: int, shift: float, plans: Path | None, preset: str):
@@ -117,7 +117,7 @@ def _opts(threshold: float, M: int, shape, preset: str) -> PlanOptions:
     steps, decode-aware packing with READS; both set against the preset's tokens per step
     (the routing noise of a check, the weight reads), so each preset has its own plans."""
     return PlanOptions(shift_threshold=threshold, control_interval=CONTROL[0],
-                       read_tokens=READS[0], dispatch_tokens=READS[1],
+                       read_tokens=READS[0], dispatch_tokens=READS[1], steady_windows=STEADY[0],
                        step_choices=float(M * TOKEN_PRESETS[preset] * shape.top_k))
 
 
@@ -177,6 +177,7 @@ _LOADS: dict = {}
 SHARED_DIR = [SHARED]  # --shared: where the shared traces are (olmoe is left out without them)
 CONTROL = [DEFAULT_CONTROL_INTERVAL]  # --control-interval: model steps between shift checks
 READS = [EplbConfig.read_tokens, EplbConfig.dispatch_tokens]  # --read-tokens, --dispatch-tokens
+STEADY = [EplbConfig.steady_windows]  # --steady-windows
 
 
 def _all_loads() -> dict[str, np.ndarray]:
@@ -210,6 +211,7 @@ def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path
     link = LinkModel()
     doc = {"date": datetime.date.today().isoformat(), "cost": cost_kind, "shift_threshold": shift,
            "control_interval": CONTROL[0], "read_tokens": READS[0], "dispatch_tokens": READS[1],
+           "steady_windows": STEADY[0],
            "counts": counts, "seed": seed, "rows": []}
     out.mkdir(parents=True, exist_ok=True)
     costs = {}
@@ -292,6 +294,9 @@ def main() -> None:
     ap.add_argument("--dispatch-tokens", type=float, default=EplbConfig.dispatch_tokens,
                     help=f"decode-aware packing's price of a token more on the busiest GPU "
                          f"(default {EplbConfig.dispatch_tokens:g}, the runtime's)")
+    ap.add_argument("--steady-windows", type=int, default=EplbConfig.steady_windows,
+                    help=f"earlier windows a plan on a steady load adds (default {EplbConfig.steady_windows}, "
+                         f"the runtime's; 0 = the window alone)")
     ap.add_argument("--seed", type=int, default=0, help="--counts poisson: the draws' seed")
     ap.add_argument("--presets", default=",".join(TOKEN_PRESETS),
                     help=f"token presets to run (default {','.join(TOKEN_PRESETS)})")
@@ -299,6 +304,7 @@ def main() -> None:
     SHARED_DIR[0] = a.shared
     CONTROL[0] = a.control_interval
     READS[:] = [a.read_tokens, a.dispatch_tokens]
+    STEADY[0] = a.steady_windows
     eps, models, names = [int(x) for x in a.ep.split(",")], a.models.split(","), a.traces.split(",")
     presets = a.presets.split(",")
     if unknown := [p for p in presets if p not in TOKEN_PRESETS]:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from _dist import device_for, run_distributed
 from eplb.core.placement import Placement
-from eplb.core.planning import ShiftState, plan_tolerance, sampling_gap
+from eplb.core.planning import ShiftState, SteadyMemory, plan, plan_tolerance, same_traffic, sampling_gap
 from eplb.core.replay import block_imbalance, check_points, replay_policy, step_imbalance
 from eplb.core.simulate import simulate
 from eplb.core.workload import cosine_drift
@@ -180,13 +180,114 @@ def test_replay_on_a_steady_load_is_the_schedule_alone():
     rng = np.random.default_rng(3)
     shares = rng.lognormal(0, 1, (2, 16))
     trace = np.array([[rng.multinomial(20000, p / p.sum()) for p in shares] for _ in range(24)], float)
-    a = simulate(trace, 8, 24, 4, 4, min_gain=0.0, shift_threshold=0.05, oracle=False)
+    a = simulate(trace, 8, 24, 4, 4, min_gain=0.0, shift_threshold=0.05, oracle=False, steady_windows=0)
     b = simulate(trace, 8, 24, 4, 4, min_gain=0.0, shift_threshold=0.0, oracle=False)
     ra, rb = a.policies["default"].rebalances, b.policies["default"].rebalances
     assert not any(r.shifted or r.early for r in ra)
     assert [r.move_tolerance for r in ra] == [0.03] * len(ra)  # steady: never drifting
     assert [r.slots_changed for r in ra] == [r.slots_changed for r in rb]
     assert np.array_equal(a.policies["default"].layer_imbalance, b.policies["default"].layer_imbalance)
+
+
+def _by_hand(trace, steps, loads_of, tolerances_of=lambda k: 0.03):
+    """The placements of plans at `steps` made by plan() on `loads_of(k, s)` [L, N], each
+    from the one before (min gain 0: a plan that differs moves)."""
+    current, out = Placement.initial(2, 16, 24, 8), []
+    for k, s in enumerate(steps):
+        new = plan(loads_of(k, s), 8, 24, previous=current, move_tolerance=tolerances_of(k))
+        current = new if new != current else current
+        out.append(current.physical_to_logical)
+    return out
+
+
+def test_replay_on_a_steady_load_plans_on_the_window_and_two_earlier_ones():
+    """SteadyMemory by hand: on a steady load the k-th plan sees windows k-2..k; a policy
+    without shift detection, or steady_windows 0, sees its window alone."""
+    rng = np.random.default_rng(3)
+    shares = rng.lognormal(0, 1, (2, 16))
+    trace = np.array([[rng.multinomial(20000, p / p.sum()) for p in shares] for _ in range(24)], float)
+    initial, steps = Placement.initial(2, 16, 24, 8), list(range(4, 24, 4))
+    kw = dict(num_nodes=1, num_groups=1)
+    got = replay_policy(trace, initial, steps, 4, "default", kw, min_gain=0.0, shift_threshold=0.05,
+                        steady_windows=2)
+    assert not any(b.record.shifted or b.record.early for b in got)
+    want = _by_hand(trace, steps, lambda k, s: trace[max(0, s - 12):s].sum(0))  # up to 3 windows
+    assert [b.placement.physical_to_logical.tolist() for b in got] == [w.tolist() for w in want]
+    alone = _by_hand(trace, steps, lambda k, s: trace[s - 4:s].sum(0))
+    assert any(not np.array_equal(a, w) for a, w in zip(alone, want))  # the memory changed plans
+    for kwargs in (dict(shift_threshold=0.0, steady_windows=2), dict(shift_threshold=0.05, steady_windows=0)):
+        off = replay_policy(trace, initial, steps, 4, "default", kw, min_gain=0.0, **kwargs)
+        assert [b.placement.physical_to_logical.tolist() for b in off] == [w.tolist() for w in alone]
+    # windows that overlap (window 6, a plan every 4) or are decayed are never added up
+    for window, decay in ((6, 1.0), (4, 0.9)):
+        w = replay_policy(trace, initial, steps, window, "default", kw, min_gain=0.0, decay=decay,
+                          shift_threshold=0.05, steady_windows=2)
+        a = replay_policy(trace, initial, steps, window, "default", kw, min_gain=0.0, decay=decay,
+                          shift_threshold=0.05, steady_windows=0)
+        assert [b.placement.physical_to_logical.tolist() for b in w] == \
+            [b.placement.physical_to_logical.tolist() for b in a]
+
+
+def test_replay_forgets_the_steady_windows_at_a_shift():
+    """A domain change at step 12: the early rebalance and the plans after it never see a
+    window from before the shift; the steady plans before it do add theirs."""
+    rng = np.random.default_rng(4)
+    a, b = rng.lognormal(0, 1.5, (2, 16)), rng.lognormal(0, 1.5, (2, 16))
+    trace = np.array([[rng.multinomial(20000, p / p.sum()) for p in (a if t < 12 else b)]
+                      for t in range(24)], float)
+    initial, steps = Placement.initial(2, 16, 24, 8), list(range(4, 24, 4))
+    got = replay_policy(trace, initial, steps, 4, "default", dict(num_nodes=1, num_groups=1), min_gain=0.0,
+                        shift_threshold=0.05, check_every=1.0, steady_windows=2)
+    early = [b for b in got if b.record.early]
+    assert len(early) == 1 and early[0].start > 12, [(b.start, b.record.early) for b in got]
+    spans: list[tuple[int, int]] = []  # the windows remembered, by hand
+    seen = []
+    for blk in got:  # the same rule by hand: what each plan should have seen
+        s = blk.start
+        window = (12, s) if blk.record.early else (s - 4, s)
+        steady = not (blk.record.shifted or blk.record.early or blk.record.move_tolerance == 0.0)
+        used = [window] + (spans if steady else [])
+        spans = (spans + [window])[-2:] if steady else []
+        load = sum(trace[lo:hi].sum(0) for lo, hi in used)
+        seen.append((s, min(lo for lo, _ in used)))
+        assert blk.placement == blk.previous or blk.placement == plan(
+            load, 8, 24, previous=blk.previous, move_tolerance=blk.record.move_tolerance)
+    # before the shift the steady plans add earlier windows; from the early plan on, only
+    # steps after the shift
+    assert seen[:3] == [(4, 0), (8, 0), (12, 0)], seen
+    assert all(first >= 12 for s, first in seen[3:]) and seen[-1] == (20, 12), seen
+
+
+def test_steady_memory_rules():
+    w = np.ones((2, 4))
+    m = SteadyMemory(2).after(w, True).after(2 * w, True).after(3 * w, True)
+    assert [x[0, 0] for x in m.windows] == [2, 3]  # the last two
+    np.testing.assert_array_equal(m.plan_load(w, True), 6 * w)
+    np.testing.assert_array_equal(m.plan_load(w, False), w)
+    assert m.after(w, False).windows == ()  # not steady: forgotten
+    assert SteadyMemory(0).after(w, True).windows == ()  # off
+    assert SteadyMemory.applies(1000, 3000, 1.0) and SteadyMemory.applies(4, 4, 1.0)
+    assert not SteadyMemory.applies(5, 4, 1.0) and not SteadyMemory.applies(4, 4, 0.99)
+    assert not SteadyMemory.applies(4, 0, 1.0)  # no schedule: nothing to add up
+
+
+def test_same_traffic_passes_draws_of_the_same_shares_and_refuses_moved_ones():
+    rng = np.random.default_rng(0)
+    shares = rng.lognormal(0, 1, (200, 64))
+    shares /= shares.sum(1, keepdims=True)
+    draw = lambda p, n: np.stack([rng.multinomial(n, row) for row in p])  # noqa: E731
+    memory = draw(shares, 200_000)
+    assert same_traffic(draw(shares, 50_000), memory).mean() >= 0.99  # 3 sigmas: about 1 in 200 fails
+    moved = shares * rng.lognormal(0, 0.1, shares.shape)  # each expert's share off by about 10%
+    assert same_traffic(draw(moved / moved.sum(1, keepdims=True), 50_000), memory).mean() <= 0.01
+    # few tokens cannot tell the same 10% apart: noise of that size passes
+    assert same_traffic(draw(moved / moved.sum(1, keepdims=True), 500), memory).mean() >= 0.9
+    assert same_traffic(np.zeros((1, 4)), np.ones((1, 4))).all()  # no tokens: nothing to tell apart
+    # a layer that moved is forgotten, the others kept
+    w = np.stack([draw(shares[:1], 50_000)[0], draw(moved[1:2] / moved[1].sum(), 50_000)[0]])  # [2, 64]
+    m = SteadyMemory(2, (memory[:2],))
+    np.testing.assert_array_equal(m.plan_load(w, True), w + np.stack([memory[0], np.zeros(64)]))
+    np.testing.assert_array_equal(m.after(w, True).windows[0], np.stack([memory[0], np.zeros(64)]))
 
 
 def _drifting_trace(tokens: int, seed: int = 5) -> np.ndarray:  # [40, 2, 16] counts
@@ -308,6 +409,12 @@ def _shift_body(rank, world, threshold):
         assert TOLERANCES == want, TOLERANCES
         if threshold:  # the early plan saw the load since the shift only: steps 17, 18 of both ranks
             np.testing.assert_allclose(LOADS[2], 2 * 2 * _hot([0, 6]), rtol=0.01)
+            # the steady plan at 16 saw its window (13-16) and the one of the plan at 8 (5-8)
+            # (EplbConfig.steady_windows); the one at 24, after the shift, its window alone
+            np.testing.assert_allclose(LOADS[1], 2 * 2 * 4 * _hot([4, 5]), rtol=0.01)
+            np.testing.assert_allclose(LOADS[3], 2 * 4 * _hot([1, 3]), rtol=0.01)
+        else:  # no shift detection: no telling a steady load, each plan sees its window alone
+            np.testing.assert_allclose(LOADS[1], 2 * 4 * _hot([4, 5]), rtol=0.01)
     if threshold:
         # the steady check at 16 joined the noise history: the gap of steps 13-16 (the
         # window's 4 steps since the plan at 8; both ranks' counts under its placement) less

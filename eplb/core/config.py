@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from eplb.core.policy.base import (DEFAULT_DISPATCH_TOKENS, DEFAULT_MOVE_TOLERANCE, DEFAULT_READ_TOKENS,
                                 DEFAULT_TILE_ROWS)
-from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD
+from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD, DEFAULT_STEADY_WINDOWS
 
 TRANSPORTS = ("nccl", "ipc", "auto")
 """Values of `EplbConfig.transport` (how weights travel; eplb.runtime.transports)."""
@@ -70,6 +70,14 @@ class EplbConfig:
     `move_tolerance` plus the routing noise of the window planned on) is also planned with
     move tolerance 0 (`planning.plan_tolerance`). 0 = off: the schedule alone, with
     `move_tolerance` always. Measured in benchmarks/README.md (issue 29)."""
+    steady_windows: int = DEFAULT_STEADY_WINDOWS
+    """With shift detection on: a rebalance on a steady load (no shift, no drift, see
+    `shift_threshold`) plans on its window plus up to this many windows of the earlier
+    steady plans (`eplb.core.planning.SteadyMemory`): more tokens, so a plan fits less of
+    one window's routing noise. A shift or a drift forgets them. Applies when windows do
+    not overlap and are plain sums (`window_size` <= `rebalance_interval`, `load_decay`
+    1) and to a plan whose window holds only steps since the previous one; 0 = off (the
+    window alone). Measured in benchmarks/README.md (issue 29, 2026-12-04, third)."""
     read_tokens: float = DEFAULT_READ_TOKENS
     """Decode-aware packing (`eplb.core.policy.balanced.reads`): a slot that gets at least
     one token in a step reads its expert's weights once, which costs as much as this many
@@ -184,6 +192,10 @@ class EplbConfig:
                 or self.zero_load_warn_steps < 0):
             raise ValueError(f"zero_load_warn_steps must be an int >= 0 (0 = never warn), "
                              f"got {self.zero_load_warn_steps!r}")
+        if (isinstance(self.steady_windows, bool) or not isinstance(self.steady_windows, int)
+                or self.steady_windows < 0):
+            raise ValueError(f"steady_windows must be an int >= 0 (0 = the window alone), "
+                             f"got {self.steady_windows!r}")
         if not isinstance(self.weighted_replicas, bool):
             raise ValueError(f"weighted_replicas must be a bool, got {self.weighted_replicas!r}")
         if not isinstance(self.control_interval, int) or self.control_interval < 0:

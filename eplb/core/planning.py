@@ -213,8 +213,85 @@ def plan_tolerance(shifted: bool, move_tolerance: float, variation: float | None
     routing noise of the window it is planned on (`sampling_gap` of its per-GPU counts): a
     plan fits its window's noise, so on a steady load it measures below its prediction by
     up to about that much, and re-planning then only chases noise."""
-    drifting = variation is not None and variation > move_tolerance + window_noise
-    return 0.0 if shifted or drifting else move_tolerance
+    return 0.0 if shifted or drifting(move_tolerance, variation, window_noise) else move_tolerance
+
+
+def drifting(move_tolerance: float, variation: float | None, window_noise: float) -> bool:
+    """Whether the load drifts (see `plan_tolerance`); False before any check."""
+    return variation is not None and variation > move_tolerance + window_noise
+
+
+DEFAULT_STEADY_WINDOWS = 2
+"""Earlier windows a scheduled plan adds to its own while the load is steady (see
+`SteadyMemory`; chosen on the issue 29 replay, benchmarks/README.md); 0 turns it off."""
+
+
+@dataclass(frozen=True)
+class SteadyMemory:
+    """The windows of load that scheduled plans planned on while the load stayed steady
+    (pure: every update returns a new memory). A plan fits the routing noise of the
+    window it is planned on; on a steady load the windows before it show the same
+    traffic, so a plan on the window plus `keep` earlier ones rests on more tokens and
+    its replica counts and packing fit the next interval better. A shift or a drift
+    forgets them (they show the old load), as does any plan that is not steady; a layer
+    whose window does not look drawn from the remembered traffic (`same_traffic`: a
+    drift too slow for the balance checks, hidden in their noise) forgets its part.
+
+    Only whole windows that do not overlap are added up: it applies when the window is
+    not longer than the interval between plans and is not decayed (`applies`)."""
+
+    keep: int = 0  # windows remembered at most; 0 = off
+    windows: tuple = ()  # [L, N] loads of earlier steady plans, oldest first
+
+    @staticmethod
+    def applies(window: int, interval: int, decay: float) -> bool:
+        """Whether windows of `window` steps planned every `interval` steps, weighted by
+        `decay`, can be added up: disjoint (window <= interval) and plain sums."""
+        return interval > 0 and window <= interval and decay == 1.0
+
+    def _kept(self, window: np.ndarray) -> np.ndarray | None:  # [L, N]
+        """The remembered load of the layers whose `window [L, N]` shows the same traffic."""
+        if not self.windows:
+            return None
+        memory = np.sum(self.windows, axis=0)  # [L, N]
+        return memory * same_traffic(window, memory)[:, None]
+
+    def plan_load(self, window: np.ndarray, steady: bool) -> np.ndarray:  # [L, N]
+        """What a scheduled plan plans on: `window [L, N]`, plus the remembered windows
+        when the load is `steady` (no shift, no drift), for the layers whose window shows
+        the same traffic."""
+        kept = self._kept(window) if steady else None
+        return window if kept is None else window + kept
+
+    def after(self, window: np.ndarray, steady: bool) -> "SteadyMemory":
+        """The memory once a scheduled plan on `window [L, N]` is made: the window joins
+        it when the load was `steady`, else everything is forgotten; so are the layers
+        whose window did not show the remembered traffic."""
+        if not steady or self.keep == 0:
+            return replace(self, windows=())
+        window = np.asarray(window, dtype=np.float64)
+        keep = same_traffic(window, np.sum(self.windows, axis=0))[:, None] if self.windows else True
+        return replace(self, windows=tuple(w * keep for w in self.windows[1 - self.keep:]) + (window,)
+                       if self.keep > 1 else (window,))
+
+
+def same_traffic(window: np.ndarray, memory: np.ndarray, sigmas: float = 3.0) -> np.ndarray:  # [L] bool
+    """Per layer, whether the token counts `window [L, N]` look drawn from the expert
+    shares of the counts `memory [L, N]`: Pearson's chi-square of the window against
+    those shares, with the routing noise of both parts (a count's variance is its
+    expectation times 1 + window / memory tokens), within `sigmas` standard deviations of
+    its mean (N - 1 degrees of freedom). A layer without tokens in either part passes
+    (nothing to tell apart)."""
+    w = np.asarray(window, dtype=np.float64)
+    m = np.asarray(memory, dtype=np.float64)
+    N = w.shape[-1]
+    wt, mt = w.sum(-1, keepdims=True), m.sum(-1, keepdims=True)  # [L, 1]
+    empty = (wt[:, 0] <= 0) | (mt[:, 0] <= 0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        expected = wt * (m + 0.5) / (mt + 0.5 * N)  # [L, N] smoothed: an expert the memory never saw
+        stat = ((w - expected) ** 2 / (expected * (1 + wt / mt))).sum(-1)  # [L]
+    dof = max(N - 1, 1)
+    return empty | (stat <= dof + sigmas * np.sqrt(2 * dof))
 
 
 def check_number(value: Any, name: str, ok: Callable[[float], bool], what: str) -> float:

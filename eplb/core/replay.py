@@ -19,8 +19,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from eplb.core.placement import Placement, balancedness_of_gpu_loads
-from eplb.core.planning import (DEFAULT_MIN_GAIN, ShiftState, plan, plan_tolerance, sampling_gap,
-                                worth_moving)
+from eplb.core.planning import (DEFAULT_MIN_GAIN, ShiftState, SteadyMemory, drifting, plan, plan_tolerance,
+                                sampling_gap, worth_moving)
 from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
 from eplb.core.transfer_plan import transfer_stats
 
@@ -134,7 +134,7 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
                   min_gain: float = DEFAULT_MIN_GAIN, bytes_per_expert: int | None = None,
                   progress: Callable[[], None] | None = None,
                   shift_threshold: float = 0.0, check_every: float | None = 1.0,
-                  tokens_per_step: float | None = None) -> list[Block]:
+                  tokens_per_step: float | None = None, steady_windows: int = 0) -> list[Block]:
     """Policy `name` replanning at each of `steps` on the last `window` steps of `trace
     [T, L, N]` with the placement in force as `previous` (out of sample); one Block per
     plan, skipped plans (gain below `min_gain`) keeping the placement in force.
@@ -161,22 +161,32 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
 
     `tokens_per_step`: the token-expert choices per layer one trace step stands for, which
     set the routing noise of a check (`planning.sampling_gap`); None: the trace's counts
-    are the tokens (a trace recorded step by step)."""
+    are the tokens (a trace recorded step by step).
+
+    `steady_windows`: shift-aware, a scheduled plan on a steady load (no shift, no drift)
+    plans on its window plus up to that many windows of the earlier steady plans
+    (`planning.SteadyMemory`, as the runtime's `EplbConfig.steady_windows`); 0: its
+    window alone."""
     if check_every is not None and not 0 < check_every <= 1:
         raise ValueError(f"check_every must be in (0, 1] (a share of a step) or None, got {check_every!r}")
     M, P = initial.num_gpus, initial.num_slots
     T = trace.shape[0]
     made: list[tuple[int, Placement, Placement, RebalanceRecord, float]] = []
     current, since, state = initial, 0, ShiftState()
+    gap = int(np.min(np.diff(steps))) if len(steps) > 1 else window  # the interval between plans
+    memory = SteadyMemory(steady_windows if shift_threshold > 0 and SteadyMemory.applies(window, gap, decay) else 0)
     points = check_points(check_every) if check_every is not None else np.zeros(0)  # [K]
 
     def plan_at(s: int, load: np.ndarray, shifted: bool, early: bool, lead: float = 0.0) -> None:  # load [L, N]
-        nonlocal current, since, state
+        nonlocal current, since, state, memory
         t0 = time.perf_counter()
         variation = state.variation  # None before any check (shift detection off): no drift rule
         window_noise = 0.0 if variation is None else sampling_gap(current.gpu_loads(load))  # the trace's counts
-        tol = plan_tolerance(shifted, plan_kwargs.get("move_tolerance", DEFAULT_MOVE_TOLERANCE),
-                             variation, window_noise)
+        tolerance = plan_kwargs.get("move_tolerance", DEFAULT_MOVE_TOLERANCE)
+        tol = plan_tolerance(shifted, tolerance, variation, window_noise)
+        steady = not (shifted or early or drifting(tolerance, variation, window_noise))
+        window, load = load, memory.plan_load(load, steady)  # [L, N] each
+        memory = memory.after(window, steady)
         planned = plan(load, M, P, policy=name, previous=current, **dict(plan_kwargs, move_tolerance=tol))
         move, gain = worth_moving(current, planned, load, min_gain)
         new = planned if move else current

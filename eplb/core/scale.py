@@ -46,7 +46,7 @@ import numpy as np
 from eplb.core.cost_model import ExpertCost, LinkModel, ModelShape, exchange_seconds, move_seconds
 from eplb.core.placement import Placement
 from eplb.core.config import EplbConfig
-from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD, check_topology, positive_int
+from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD, DEFAULT_STEADY_WINDOWS, check_topology, positive_int
 from eplb.core.policy.base import DEFAULT_DISPATCH_TOKENS, DEFAULT_MOVE_TOLERANCE, DEFAULT_TILE_ROWS
 from eplb.core.replay import Block, oracle_blocks, rebalance_steps, replay_policy
 from eplb.core.workload import check_trace
@@ -154,7 +154,7 @@ def _blocks(kind: str, trace: np.ndarray, initial: Placement, steps: list[int], 
                               dispatch_tokens=opts.dispatch_tokens, tile_rows=opts.tile_rows),
                          decay=opts.decay, min_gain=opts.min_gain, progress=progress,
                          shift_threshold=opts.shift_threshold, check_every=check_every,
-                         tokens_per_step=tokens_per_step)
+                         tokens_per_step=tokens_per_step, steady_windows=opts.steady_windows)
 
 
 @dataclass(frozen=True)
@@ -176,11 +176,13 @@ class PlanOptions:
     tile_rows: float = DEFAULT_TILE_ROWS  # a slot's tokens per weight read (0: one read per slot)
     # model steps between two shift checks (EplbConfig's; 0 = no early rebalances)
     control_interval: int = DEFAULT_CONTROL_INTERVAL
+    steady_windows: int = DEFAULT_STEADY_WINDOWS  # earlier windows a steady plan adds (0 = off)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("move_tolerance", "weighted", "decay", "min_gain",
                                               "shift_threshold", "read_tokens", "step_choices",
-                                              "dispatch_tokens", "tile_rows", "control_interval")}
+                                              "dispatch_tokens", "tile_rows", "control_interval",
+                                              "steady_windows")}
 
     def check_every(self, interval: int, serving_steps: int) -> float | None:
         """The share of a trace step between two shift checks when an interval of

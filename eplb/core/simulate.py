@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from eplb.core.placement import Placement
-from eplb.core.planning import (DEFAULT_MIN_GAIN, DEFAULT_SHIFT_THRESHOLD, check_min_gain,
+from eplb.core.planning import (DEFAULT_MIN_GAIN, DEFAULT_SHIFT_THRESHOLD, DEFAULT_STEADY_WINDOWS, check_min_gain,
                                 check_move_tolerance, check_topology, positive_int)
 from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
 from eplb.core.policy.registry import get_policy
@@ -124,6 +124,7 @@ def simulate(
     oracle: bool = True,
     progress: Callable[[], None] | None = None,
     shift_threshold: float = DEFAULT_SHIFT_THRESHOLD,
+    steady_windows: int = DEFAULT_STEADY_WINDOWS,
 ) -> SimulationResult:
     """Replay `trace [T, L, N]` under each policy; see the module docstring.
 
@@ -137,7 +138,9 @@ def simulate(
     rebalancing (see `replay_policy`), checked after every step; 0 turns it off. Its checks
     take the trace's values as token counts to weigh routing noise
     (`planning.sampling_gap`): a trace of shares (rows summing to 1) looks like a handful
-    of tokens, and no drop clears that noise.
+    of tokens, and no drop clears that noise. `steady_windows`: as
+    `EplbConfig.steady_windows`, earlier windows a plan on a steady load adds (shift-aware
+    only; 0: the window alone).
     """
     trace = check_trace(trace)
     T, L, N = trace.shape
@@ -153,6 +156,8 @@ def simulate(
     move_tolerance = check_move_tolerance(move_tolerance)
     min_gain = check_min_gain(min_gain)
     shift_threshold = check_min_gain(shift_threshold, "shift_threshold")
+    if isinstance(steady_windows, bool) or not isinstance(steady_windows, int) or steady_windows < 0:
+        raise ValueError(f"steady_windows must be an int >= 0, got {steady_windows!r}")
     if bytes_per_expert is not None and (isinstance(bytes_per_expert, bool)
                                          or not isinstance(bytes_per_expert, int) or bytes_per_expert < 0):
         raise ValueError(f"bytes_per_expert must be an int >= 0, got {bytes_per_expert!r}")
@@ -184,7 +189,8 @@ def simulate(
               "num_nodes": num_nodes, "num_groups": num_groups, "window": window,
               "interval": interval, "start": start, "decay": float(decay),
               "move_tolerance": float(move_tolerance), "weighted": bool(weighted),
-              "min_gain": min_gain, "shift_threshold": shift_threshold, "bytes_per_expert": bytes_per_expert, "policies": policies,
+              "min_gain": min_gain, "shift_threshold": shift_threshold,
+              "steady_windows": steady_windows, "bytes_per_expert": bytes_per_expert, "policies": policies,
               "rebalance_steps": steps}
 
     none_scores = step_imbalance(trace, initial)  # [T, L]
@@ -197,7 +203,8 @@ def simulate(
         res = PolicyResult(name, scores, start, L * P)
         for block in replay_policy(trace, initial, steps, window, name, kw, decay=decay,
                                    min_gain=min_gain, bytes_per_expert=bytes_per_expert,
-                                   progress=progress, shift_threshold=shift_threshold):
+                                   progress=progress, shift_threshold=shift_threshold,
+                                   steady_windows=steady_windows):
             res.rebalances.append(block.record)
             scores[block.start:block.end] = block_imbalance(trace, block)
         results[name] = res

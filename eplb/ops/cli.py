@@ -300,6 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
                                       "plan's predicted balancedness by more than G beyond the noise "
                                       "re-plans with move tolerance 0 and may rebalance early, once per "
                                       f"interval (default {EplbConfig.shift_threshold}, as EplbConfig; 0 = off)")
+    sm.add_argument("--steady-windows", type=_count("--steady-windows"), default=EplbConfig.steady_windows,
+                    metavar="K", help="with shift detection on: a plan on a steady load adds up to K earlier "
+                                      "windows to its own (when --window-size <= --rebalance-interval "
+                                      f"and --load-decay 1; default {EplbConfig.steady_windows}, as "
+                                      "EplbConfig; 0 = the window alone)")
     sm.add_argument("--control-interval", type=_count("--control-interval"), default=None, metavar="C",
                     help="with --cost: shift checks every C model steps, as the runtime (an interval of "
                          "--rebalance-interval trace steps is --serving-steps model steps; default "

@@ -54,6 +54,12 @@ class LoadRecorder:
         what shift detection measures (`window_load(since_plan=True)`)."""
         return min(self.plan_steps, self.gpu_steps, self.window_size)
 
+    @property
+    def window_is_new(self) -> bool:
+        """Whether every step of the window was recorded since the last plan (it shares no
+        step with the window that plan saw): `SteadyMemory` adds up such windows only."""
+        return self.plan_steps >= self.fill
+
     def on_plan(self) -> None:
         """A rebalance planned (applied or skipped): shift detection measures from here."""
         self.plan_steps = 0

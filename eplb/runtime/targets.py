@@ -1,7 +1,8 @@
 """What a rebalance moves to, and the figures its event reports. `RebalanceTargets` reads
 the recorded window (one all-reduce on the step loop), and returns the `plan_fn` a
 `PlacementChange` calls (in the rebalance thread in asynchronous mode) together with the
-`info` dict that `plan_fn` fills: "load" [L, N] (what the planner sees), "before" [L]
+`info` dict that `plan_fn` fills: "load" [L, N] (what the planner sees: the window,
+"window", plus earlier steady windows), "before" [L]
 (balancedness measured from the per-GPU window), "predicted_gain", "skipped" (and
 "skip_reason"), "seconds_plan"; `EplbRuntime._finished` builds the RebalanceEvent from it.
 
@@ -9,7 +10,9 @@ A planned rebalance (`planned`): rank 0 plans (`Rank0Planner`), every rank gets 
 and `worth_moving` (the same verdict on every rank) keeps the placement in force when the
 plan gains less than `min_gain`. A given placement (`given`, `apply_placement`) is moved to
 as it is. Shift detection (`EplbConfig.shift_threshold`, `shift_now`) keeps the
-`ShiftState` the simulator keeps, and bounds early rebalances to one between two others.
+`ShiftState` the simulator keeps, and bounds early rebalances to one between two others;
+on a steady load plans add earlier windows (`EplbConfig.steady_windows`, the simulator's
+`SteadyMemory`).
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ import torch
 
 from eplb.core.config import EplbConfig
 from eplb.core.placement import Placement, balancedness_of_gpu_loads
-from eplb.core.planning import ShiftState, plan_tolerance, predicted_gain, sampling_gap, worth_moving
+from eplb.core.planning import (ShiftState, SteadyMemory, drifting, plan_tolerance, predicted_gain, sampling_gap,
+                                worth_moving)
 from eplb.runtime.events import NO_LOAD
 from eplb.runtime.plan_broadcast import Rank0Planner
 from eplb.runtime.recorder import LoadRecorder
@@ -45,6 +49,7 @@ class RebalanceTargets:
         self.routing = routing
         self.shift = ShiftState()  # the same state as the simulator's
         self.early_used = False  # an early (shift) rebalance ran since the last other plan
+        self.memory = SteadyMemory()  # windows of earlier steady plans (rank 0's copy plans)
 
     def shift_now(self, config: EplbConfig) -> bool:
         """Shift-aware early rebalance: whether the load recorded since the last plan shows
@@ -72,6 +77,8 @@ class RebalanceTargets:
         early = trigger == "shift"  # plans on the load since the last plan, with tolerance 0
         self.early_used = early  # the bounded rate: one early rebalance between two other plans
         read_window = self._window_reader(info, config, since_plan=early)  # collective: the all-reduce
+        # the window shares no step with the last plan's (SteadyMemory adds disjoint windows only)
+        window_is_new = self.recorder.window_is_new
         self.recorder.on_plan()  # shift detection measures from this plan on
         realised = self.routing.realised
 
@@ -93,11 +100,17 @@ class RebalanceTargets:
             window_noise = 0.0 if variation is None else sampling_gap(realised(placement).gpu_loads(info["load"]))
             tol = plan_tolerance(shifted, config.move_tolerance, variation, window_noise)
             info["move_tolerance"] = tol
-            planned = self.planner.plan(info["load"], placement, plan_group, move_tolerance=tol,
+            keep = config.steady_windows if config.shift_threshold > 0 and SteadyMemory.applies(
+                config.window_size, config.rebalance_interval, config.load_decay) else 0
+            steady = window_is_new and not (shifted or drifting(config.move_tolerance, variation, window_noise))
+            memory = SteadyMemory(keep, self.memory.windows)
+            info["load"] = load = memory.plan_load(info["load"], steady)  # [L, N] window (+ earlier ones)
+            self.memory = memory.after(info["window"], steady)
+            planned = self.planner.plan(load, placement, plan_group, move_tolerance=tol,
                                         step_choices=info["step_choices"])
             # the same decision on every rank: same broadcast plan, same all-reduced load
             move, info["predicted_gain"] = worth_moving(
-                realised(placement), realised(planned), info["load"], config.min_gain)
+                realised(placement), realised(planned), load, config.min_gain)
             info["skipped"] = not move
             info["seconds_plan"] = time.perf_counter() - t0
             chosen = planned if move else placement
@@ -152,7 +165,7 @@ class RebalanceTargets:
         def read() -> None:
             if window_done is not None:
                 torch.cuda.current_stream(self.device).wait_event(window_done)
-            info["load"] = logical.cpu().numpy().astype(np.float64)  # [L, N]
+            info["load"] = info["window"] = logical.cpu().numpy().astype(np.float64)  # [L, N]
             info["before"] = balancedness_of_gpu_loads(gpu.cpu().numpy())  # [L]
             recent_np = recent.cpu().numpy()  # [L, M] since the last plan
             info["measured"] = balancedness_of_gpu_loads(recent_np)  # [L]
