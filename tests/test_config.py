@@ -228,3 +228,25 @@ def test_move_tolerance_is_checked_once_the_same_way_everywhere(bad):
         simulate(np.ones((4, 2, 12)), 4, 16, window=1, interval=1, move_tolerance=bad, oracle=False)
     msgs.append(str(e.value))
     assert len(set(msgs)) == 1 and "move_tolerance" in msgs[0], msgs
+
+
+@pytest.mark.parametrize("bad", [True, -1, 1.5, "2", None])
+def test_steady_windows_is_checked_once_the_same_way_everywhere(bad, capsys):
+    """EplbConfig.verify and simulate() share one check; the CLI refuses a negative count
+    in one line with exit 2."""
+    import numpy as np
+
+    from _cli import run_main
+    from eplb.core.simulate import simulate
+
+    msgs = []
+    with pytest.raises(ValueError) as e:
+        EplbConfig(num_redundant_experts=4, steady_windows=bad).verify(num_logical_experts=12, num_gpus=4)
+    msgs.append(str(e.value))
+    with pytest.raises(ValueError) as e:
+        simulate(np.ones((4, 2, 12)), 4, 16, window=1, interval=1, steady_windows=bad, oracle=False)
+    msgs.append(str(e.value))
+    assert len(set(msgs)) == 1 and msgs[0].startswith("steady_windows must be an int >= 0"), msgs
+    code, _, err = run_main(["simulate", "esft", "--num-gpus", "4", "--num-slots", "68", "--window-size", "1",
+                             "--rebalance-interval", "1", "--steady-windows", "-1"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--steady-windows" in err, (code, err)

@@ -176,10 +176,16 @@ def test_replay_checks_on_few_tokens_wait_for_a_larger_drop():
     assert len(when(few)) == len(when(many)) and all(f > m for f, m in zip(when(few), when(many)))
 
 
+def steady_trace(tokens: int, experts: int = 16, seed: int = 3, steps: int = 24) -> np.ndarray:
+    """[steps, 2, experts] counts: fixed lognormal(0, 1) shares, each step `tokens`
+    multinomial draws per layer."""
+    rng = np.random.default_rng(seed)
+    shares = rng.lognormal(0, 1, (2, experts))
+    return np.array([[rng.multinomial(tokens, p / p.sum()) for p in shares] for _ in range(steps)], float)
+
+
 def test_replay_on_a_steady_load_is_the_schedule_alone():
-    rng = np.random.default_rng(3)
-    shares = rng.lognormal(0, 1, (2, 16))
-    trace = np.array([[rng.multinomial(20000, p / p.sum()) for p in shares] for _ in range(24)], float)
+    trace = steady_trace(20000)
     a = simulate(trace, 8, 24, 4, 4, min_gain=0.0, shift_threshold=0.05, oracle=False, steady_windows=0)
     b = simulate(trace, 8, 24, 4, 4, min_gain=0.0, shift_threshold=0.0, oracle=False)
     ra, rb = a.policies["default"].rebalances, b.policies["default"].rebalances
@@ -195,7 +201,7 @@ def _by_hand(trace, steps, loads_of, tolerances_of=lambda k: 0.03):
     current, out = Placement.initial(2, 16, 24, 8), []
     for k, s in enumerate(steps):
         new = plan(loads_of(k, s), 8, 24, previous=current, move_tolerance=tolerances_of(k))
-        current = new if new != current else current
+        current = new
         out.append(current.physical_to_logical)
     return out
 
@@ -203,9 +209,7 @@ def _by_hand(trace, steps, loads_of, tolerances_of=lambda k: 0.03):
 def test_replay_on_a_steady_load_plans_on_the_window_and_two_earlier_ones():
     """SteadyMemory by hand: on a steady load the k-th plan sees windows k-2..k; a policy
     without shift detection, or steady_windows 0, sees its window alone."""
-    rng = np.random.default_rng(3)
-    shares = rng.lognormal(0, 1, (2, 16))
-    trace = np.array([[rng.multinomial(20000, p / p.sum()) for p in shares] for _ in range(24)], float)
+    trace = steady_trace(20000)
     initial, steps = Placement.initial(2, 16, 24, 8), list(range(4, 24, 4))
     kw = dict(num_nodes=1, num_groups=1)
     got = replay_policy(trace, initial, steps, 4, "default", kw, min_gain=0.0, shift_threshold=0.05,
@@ -260,12 +264,17 @@ def test_replay_forgets_the_steady_windows_at_a_shift():
 
 def test_steady_memory_rules():
     w = np.ones((2, 4))
-    m = SteadyMemory(2).after(w, True).after(2 * w, True).after(3 * w, True)
+    m = SteadyMemory(2)
+    for k in (1, 2, 3):
+        _, m = m.plan(k * w, True)
     assert [x[0, 0] for x in m.windows] == [2, 3]  # the last two
-    np.testing.assert_array_equal(m.plan_load(w, True), 6 * w)
-    np.testing.assert_array_equal(m.plan_load(w, False), w)
-    assert m.after(w, False).windows == ()  # not steady: forgotten
-    assert SteadyMemory(0).after(w, True).windows == ()  # off
+    load, after = m.plan(w, True)
+    np.testing.assert_array_equal(load, 6 * w)
+    assert [x[0, 0] for x in after.windows] == [3, 1]
+    load, after = m.plan(w, False)
+    np.testing.assert_array_equal(load, w)
+    assert after.windows == ()  # not steady: forgotten
+    assert SteadyMemory(0).plan(w, True)[1].windows == ()  # off
     assert SteadyMemory.applies(1000, 3000, 1.0) and SteadyMemory.applies(4, 4, 1.0)
     assert not SteadyMemory.applies(5, 4, 1.0) and not SteadyMemory.applies(4, 4, 0.99)
     assert not SteadyMemory.applies(4, 0, 1.0)  # no schedule: nothing to add up
@@ -286,8 +295,9 @@ def test_same_traffic_passes_draws_of_the_same_shares_and_refuses_moved_ones():
     # a layer that moved is forgotten, the others kept
     w = np.stack([draw(shares[:1], 50_000)[0], draw(moved[1:2] / moved[1].sum(), 50_000)[0]])  # [2, 64]
     m = SteadyMemory(2, (memory[:2],))
-    np.testing.assert_array_equal(m.plan_load(w, True), w + np.stack([memory[0], np.zeros(64)]))
-    np.testing.assert_array_equal(m.after(w, True).windows[0], np.stack([memory[0], np.zeros(64)]))
+    load, after = m.plan(w, True)
+    np.testing.assert_array_equal(load, w + np.stack([memory[0], np.zeros(64)]))
+    np.testing.assert_array_equal(after.windows[0], np.stack([memory[0], np.zeros(64)]))
 
 
 def _drifting_trace(tokens: int, seed: int = 5) -> np.ndarray:  # [40, 2, 16] counts
@@ -319,9 +329,7 @@ def test_replay_keeps_the_tolerance_on_a_steady_load_whose_window_is_noisy():
     """A steady load drawn on 2,000 tokens a step, checked as if a step stood for many model
     tokens (`tokens_per_step`, as `eplb.core.scale`): the checks' gaps are the trace's own
     noise, beyond the tolerance, but the window's routing noise covers them: no drift."""
-    rng = np.random.default_rng(3)
-    shares = rng.lognormal(0, 1, (2, 32))
-    trace = np.array([[rng.multinomial(2000, p / p.sum()) for p in shares] for _ in range(24)], float)
+    trace = steady_trace(2000, experts=32)
     initial, steps = Placement.initial(2, 32, 48, 16), list(range(4, 24, 4))
     kw = dict(num_nodes=1, num_groups=1)
     on = replay_policy(trace, initial, steps, 4, "default", kw, min_gain=0.0, shift_threshold=0.05,

@@ -19,13 +19,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from eplb.core.simulate import simulate  # noqa: E402
-from test_shift import _drifting_trace  # noqa: E402
+from test_shift import _drifting_trace, steady_trace  # noqa: E402
 
 
 def steady(tokens: int, seed: int) -> np.ndarray:  # [40, 2, 16] counts
-    rng = np.random.default_rng(seed)
-    shares = rng.lognormal(0, 1, (2, 16))
-    return np.array([[rng.multinomial(tokens, p / p.sum()) for p in shares] for _ in range(40)], float)
+    return steady_trace(tokens, seed=seed, steps=40)
 
 
 def main() -> None:

@@ -148,7 +148,7 @@ class EplbConfig:
                num_physical_experts: int | None = None) -> "EplbConfig":
         """Check against the model and the EP group; return the config with resolved values."""
         from eplb.core.planning import (check_dispatch_tokens, check_min_gain, check_move_tolerance,
-                                        check_read_tokens)
+                                        check_read_tokens, check_steady_windows)
         from eplb.core.policy.registry import available_policies
 
         N, M = num_logical_experts, num_gpus
@@ -192,10 +192,7 @@ class EplbConfig:
                 or self.zero_load_warn_steps < 0):
             raise ValueError(f"zero_load_warn_steps must be an int >= 0 (0 = never warn), "
                              f"got {self.zero_load_warn_steps!r}")
-        if (isinstance(self.steady_windows, bool) or not isinstance(self.steady_windows, int)
-                or self.steady_windows < 0):
-            raise ValueError(f"steady_windows must be an int >= 0 (0 = the window alone), "
-                             f"got {self.steady_windows!r}")
+        check_steady_windows(self.steady_windows)
         if not isinstance(self.weighted_replicas, bool):
             raise ValueError(f"weighted_replicas must be a bool, got {self.weighted_replicas!r}")
         if not isinstance(self.control_interval, int) or self.control_interval < 0:

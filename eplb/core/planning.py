@@ -249,30 +249,20 @@ class SteadyMemory:
         `decay`, can be added up: disjoint (window <= interval) and plain sums."""
         return interval > 0 and window <= interval and decay == 1.0
 
-    def _kept(self, window: np.ndarray) -> np.ndarray | None:  # [L, N]
-        """The remembered load of the layers whose `window [L, N]` shows the same traffic."""
-        if not self.windows:
-            return None
-        memory = np.sum(self.windows, axis=0)  # [L, N]
-        return memory * same_traffic(window, memory)[:, None]
-
-    def plan_load(self, window: np.ndarray, steady: bool) -> np.ndarray:  # [L, N]
-        """What a scheduled plan plans on: `window [L, N]`, plus the remembered windows
-        when the load is `steady` (no shift, no drift), for the layers whose window shows
-        the same traffic."""
-        kept = self._kept(window) if steady else None
-        return window if kept is None else window + kept
-
-    def after(self, window: np.ndarray, steady: bool) -> "SteadyMemory":
-        """The memory once a scheduled plan on `window [L, N]` is made: the window joins
-        it when the load was `steady`, else everything is forgotten; so are the layers
-        whose window did not show the remembered traffic."""
-        if not steady or self.keep == 0:
-            return replace(self, windows=())
+    def plan(self, window: np.ndarray, steady: bool) -> tuple[np.ndarray, "SteadyMemory"]:
+        """(what a scheduled plan on `window [L, N]` plans on, the memory after it). Not
+        `steady` (a shift, a drift): the window alone, and everything is forgotten. Steady:
+        the window plus the remembered windows of the layers whose window shows the same
+        traffic (`same_traffic`), the others forgetting theirs; the window joins them."""
         window = np.asarray(window, dtype=np.float64)
-        keep = same_traffic(window, np.sum(self.windows, axis=0))[:, None] if self.windows else True
-        return replace(self, windows=tuple(w * keep for w in self.windows[1 - self.keep:]) + (window,)
-                       if self.keep > 1 else (window,))
+        if not steady or self.keep == 0:
+            return window, replace(self, windows=())
+        kept = self.windows
+        if kept:
+            same = same_traffic(window, np.sum(kept, axis=0))[:, None]  # [L, 1]
+            kept = tuple(w * same for w in kept)
+        load = window + np.sum(kept, axis=0) if kept else window
+        return load, replace(self, windows=(kept + (window,))[-self.keep:])
 
 
 def same_traffic(window: np.ndarray, memory: np.ndarray, sigmas: float = 3.0) -> np.ndarray:  # [L] bool
@@ -316,6 +306,14 @@ def check_read_tokens(value: Any, name: str = "read_tokens") -> float:
 def check_dispatch_tokens(value: Any, name: str = "dispatch_tokens") -> float:
     """A number >= 0 (inf allowed: the busiest GPU's tokens never rise), as a float."""
     return check_number(value, name, lambda v: v >= 0, "a number >= 0 (inf allowed)")
+
+
+def check_steady_windows(value: Any) -> int:
+    """Earlier windows a steady plan adds (`SteadyMemory.keep`): an int >= 0 (bools are
+    refused). The one check of `steady_windows`: EplbConfig.verify and simulate() call it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"steady_windows must be an int >= 0 (0 = the window alone), got {value!r}")
+    return value
 
 
 def check_move_tolerance(value: Any) -> float:

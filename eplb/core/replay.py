@@ -185,8 +185,7 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
         tolerance = plan_kwargs.get("move_tolerance", DEFAULT_MOVE_TOLERANCE)
         tol = plan_tolerance(shifted, tolerance, variation, window_noise)
         steady = not (shifted or early or drifting(tolerance, variation, window_noise))
-        window, load = load, memory.plan_load(load, steady)  # [L, N] each
-        memory = memory.after(window, steady)
+        load, memory = memory.plan(load, steady)  # [L, N] the window, plus earlier ones when steady
         planned = plan(load, M, P, policy=name, previous=current, **dict(plan_kwargs, move_tolerance=tol))
         move, gain = worth_moving(current, planned, load, min_gain)
         new = planned if move else current

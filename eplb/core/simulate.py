@@ -33,8 +33,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from eplb.core.placement import Placement
-from eplb.core.planning import (DEFAULT_MIN_GAIN, DEFAULT_SHIFT_THRESHOLD, DEFAULT_STEADY_WINDOWS, check_min_gain,
-                                check_move_tolerance, check_topology, positive_int)
+from eplb.core.planning import (DEFAULT_MIN_GAIN, DEFAULT_SHIFT_THRESHOLD, DEFAULT_STEADY_WINDOWS,
+                                check_min_gain, check_move_tolerance, check_steady_windows, check_topology,
+                                positive_int)
 from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
 from eplb.core.policy.registry import get_policy
 from eplb.core.replay import (RebalanceRecord, block_imbalance, decay_weights, oracle_blocks, rebalance_steps,
@@ -156,8 +157,7 @@ def simulate(
     move_tolerance = check_move_tolerance(move_tolerance)
     min_gain = check_min_gain(min_gain)
     shift_threshold = check_min_gain(shift_threshold, "shift_threshold")
-    if isinstance(steady_windows, bool) or not isinstance(steady_windows, int) or steady_windows < 0:
-        raise ValueError(f"steady_windows must be an int >= 0, got {steady_windows!r}")
+    steady_windows = check_steady_windows(steady_windows)
     if bytes_per_expert is not None and (isinstance(bytes_per_expert, bool)
                                          or not isinstance(bytes_per_expert, int) or bytes_per_expert < 0):
         raise ValueError(f"bytes_per_expert must be an int >= 0, got {bytes_per_expert!r}")

@@ -2,7 +2,7 @@
 the recorded window (one all-reduce on the step loop), and returns the `plan_fn` a
 `PlacementChange` calls (in the rebalance thread in asynchronous mode) together with the
 `info` dict that `plan_fn` fills: "load" [L, N] (what the planner sees: the window,
-"window", plus earlier steady windows), "before" [L]
+plus earlier steady windows), "before" [L]
 (balancedness measured from the per-GPU window), "predicted_gain", "skipped" (and
 "skip_reason"), "seconds_plan"; `EplbRuntime._finished` builds the RebalanceEvent from it.
 
@@ -104,8 +104,8 @@ class RebalanceTargets:
                 config.window_size, config.rebalance_interval, config.load_decay) else 0
             steady = window_is_new and not (shifted or drifting(config.move_tolerance, variation, window_noise))
             memory = SteadyMemory(keep, self.memory.windows)
-            info["load"] = load = memory.plan_load(info["load"], steady)  # [L, N] window (+ earlier ones)
-            self.memory = memory.after(info["window"], steady)
+            load, self.memory = memory.plan(info["load"], steady)  # [L, N] the window (+ earlier ones)
+            info["load"] = load  # what the planner sees, and what the event's figures are on
             planned = self.planner.plan(load, placement, plan_group, move_tolerance=tol,
                                         step_choices=info["step_choices"])
             # the same decision on every rank: same broadcast plan, same all-reduced load
@@ -165,7 +165,7 @@ class RebalanceTargets:
         def read() -> None:
             if window_done is not None:
                 torch.cuda.current_stream(self.device).wait_event(window_done)
-            info["load"] = info["window"] = logical.cpu().numpy().astype(np.float64)  # [L, N]
+            info["load"] = logical.cpu().numpy().astype(np.float64)  # [L, N]
             info["before"] = balancedness_of_gpu_loads(gpu.cpu().numpy())  # [L]
             recent_np = recent.cpu().numpy()  # [L, M] since the last plan
             info["measured"] = balancedness_of_gpu_loads(recent_np)  # [L]
