@@ -24,6 +24,10 @@ model, trace and preset: tokens/s ratios default/deepseek and default/oracle, an
 moves per rebalance. Writes `issue29.json` under `--out` (after every row).
 `--plan-only --plans DIR --jobs J` plans every configuration first in J processes (the
 CPU part); a later run with the same `--plans` only scores (benchmarks/issue29_gpu.sh).
+With `--cost gpu`, `--retime R` times each configuration's GEMMs again side by side in R
+shuffled rounds and scores on their medians (`side_by_side`; without it the placement kinds
+are timed one after another, minutes apart), keeping each round's ratios, and
+`--max-measured K` times up to K GPUs per layer (default 4; the EP size: all of them).
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -178,6 +183,8 @@ SHARED_DIR = [SHARED]  # --shared: where the shared traces are (olmoe is left ou
 CONTROL = [DEFAULT_CONTROL_INTERVAL]  # --control-interval: model steps between shift checks
 READS = [EplbConfig.read_tokens, EplbConfig.dispatch_tokens]  # --read-tokens, --dispatch-tokens
 STEADY = [EplbConfig.steady_windows]  # --steady-windows
+RETIME = [0]  # --retime: rounds of side-by-side GEMM timing (--cost gpu)
+MEASURED = [4]  # --max-measured: GPUs per layer whose GEMM is timed (--cost gpu)
 
 
 def _all_loads() -> dict[str, np.ndarray]:
@@ -211,14 +218,16 @@ def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path
     link = LinkModel()
     doc = {"date": datetime.date.today().isoformat(), "cost": cost_kind, "shift_threshold": shift,
            "control_interval": CONTROL[0], "read_tokens": READS[0], "dispatch_tokens": READS[1],
-           "steady_windows": STEADY[0],
+           "steady_windows": STEADY[0], "retime_rounds": RETIME[0] if cost_kind == "gpu" else 0,
+           "max_measured": MEASURED[0] if cost_kind == "gpu" else 0,
            "counts": counts, "seed": seed, "rows": []}
     out.mkdir(parents=True, exist_ok=True)
     costs = {}
     for model, name, M in configs(eps, models, names):
         shape = MODEL_PRESETS[model]
         if model not in costs:
-            costs[model] = {p: make_cost(cost_kind, shape, 1 + shape.num_experts // 8 + 1, t)
+            gpu = {"max_measured": MEASURED[0]} if cost_kind == "gpu" else {}
+            costs[model] = {p: make_cost(cost_kind, shape, 1 + shape.num_experts // 8 + 1, t, **gpu)
                             for p, t in TOKEN_PRESETS.items() if p in presets}
         P = shape.num_experts + M
         for preset in presets:
@@ -231,10 +240,17 @@ def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path
             variants = _plans(model, name, M, shift, plans, preset)
             t_plan = time.perf_counter() - t0
             trace = variants["shift"][0]
-            res = {label: scale_replay(trace, shape, M, P, tokens, WINDOW, INTERVAL,
-                                       costs[model][preset], link, planned=pl,
-                                       opts=_opts(thr, M, shape, preset), counts=counts, seed=seed)
-                   for (label, pl), thr in zip(variants.items(), (shift, 0.0))}
+
+            def replay(cost=costs[model][preset]) -> dict:
+                return {label: scale_replay(trace, shape, M, P, tokens, WINDOW, INTERVAL, cost, link,
+                                            planned=pl, opts=_opts(thr, M, shape, preset), counts=counts,
+                                            seed=seed)
+                        for (label, pl), thr in zip(variants.items(), (shift, 0.0))}
+            res = replay()
+            rounds, first = [], None
+            if cost_kind == "gpu" and RETIME[0]:
+                first = _ratio({k: v.rows for k, v in res.items()}, "default/deepseek")
+                res, rounds = side_by_side(replay, costs[model][preset], RETIME[0])
             r, r0 = res["shift"].rows, res["noshift"].rows
             tps = {k: v.tokens_per_s for k, v in r.items()}
             blocks = variants["shift"][1]["default"]
@@ -249,9 +265,17 @@ def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path
                    "early_rebalances": sum(b.record.early for b in blocks if b.record),
                    "shifted_plans": sum(b.record.shifted for b in blocks if b.record),
                    "plan_s": round(t_plan, 1)}
+            spread = ""
+            if rounds:  # each round's ratios: the timing noise left
+                row["rounds"] = {k: [_ratio(x, k) for x in rounds] for k in
+                                 ("default/deepseek", "noshift/deepseek", "default/oracle")}
+                row["retimed_gemms"] = rounds[0]["gemms"]
+                row["default/deepseek_first_timing"] = first  # before re-timing: one kind after another
+                lo, hi = min(row["rounds"]["default/deepseek"]), max(row["rounds"]["default/deepseek"])
+                spread = f" [{len(rounds)} rounds {lo:.4f}-{hi:.4f}; first timing {first:.4f}]"
             doc["rows"].append(row)
             print(f"{model:<12} {name:<17} EP {M:>3} {preset:<7} default/deepseek "
-                  f"{row['default/deepseek']:.3f} (no shift {row['noshift/deepseek']:.3f})  "
+                  f"{row['default/deepseek']:.4f}{spread} (no shift {row['noshift/deepseek']:.3f})  "
                   f"default/oracle {row['default/oracle']:.3f} (no shift {row['noshift/oracle']:.3f})  "
                   f"moves/rebalance {row['moves_per_rebalance']:.1f} (no shift "
                   f"{row['moves_per_rebalance_noshift']:.1f}), early {row['early_rebalances']}, "
@@ -264,6 +288,39 @@ def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path
         (out / "gemms.json").write_text(json.dumps(
             {m: {p: c.measured() for p, c in cs.items()} for m, cs in costs.items()}) + "\n")
     return doc
+
+
+def side_by_side(replay: Callable[[], dict], cost, rounds: int) -> tuple[dict, list[dict]]:
+    """`replay()` (label -> ScaleResult) scored on GEMMs timed side by side: with the GPU
+    cost's estimate frozen, the replay runs again to collect every GEMM it uses; these are
+    timed again in `rounds` shuffled rounds (`GpuGemmCost.retime`). Returns the replay on
+    the median times, and per round {"shift"/"noshift": rows, "gemms": keys timed}."""
+    from eplb.ops.progress import ProgressBar
+    cost.freeze()
+    cost.track()
+    replay()  # the picks now depend on the counts alone: collect the GEMMs they use
+    keys, cost.touched = cost.touched, None
+    bar = ProgressBar(rounds * len(keys), f"re-timing {len(keys)} GEMMs x {rounds} rounds", lines=False)
+    cost.retime(keys, rounds, progress=bar.update)
+    bar.close()
+    runs = cost.runs
+    per_round = []
+    for r in range(rounds):
+        cost.use_round(r)
+        per_round.append({label: x.rows for label, x in replay().items()} | {"gemms": len(keys)})
+    cost.use_round(None)
+    res = replay()
+    if cost.runs != runs:  # the same picks, so every GEMM comes from the re-timed cache
+        raise RuntimeError(f"side_by_side: {cost.runs - runs} GEMMs were not re-timed")
+    cost.freeze(False)
+    return res, per_round
+
+
+def _ratio(rows: dict, which: str) -> float:
+    """A row's ratio `which` ("default/deepseek", "noshift/deepseek", "default/oracle")."""
+    a, b = which.split("/")
+    num = rows["noshift"]["default"] if a == "noshift" else rows["shift"][a]
+    return num.tokens_per_s / rows["shift"][b].tokens_per_s
 
 
 def _moves(blocks) -> float:
@@ -297,6 +354,13 @@ def main() -> None:
     ap.add_argument("--steady-windows", type=int, default=EplbConfig.steady_windows,
                     help=f"earlier windows a plan on a steady load adds (default {EplbConfig.steady_windows}, "
                          f"the runtime's; 0 = the window alone)")
+    ap.add_argument("--retime", type=int, default=0,
+                    help="--cost gpu: time every configuration's GEMMs again side by side in this many "
+                         "shuffled rounds and score on their medians (each round's ratio is kept: the "
+                         "noise left); 0 = as first timed, one placement kind after another")
+    ap.add_argument("--max-measured", type=int, default=MEASURED[0],
+                    help=f"--cost gpu: the most GPUs per layer whose GEMM is timed, those with the largest "
+                         f"estimates (default {MEASURED[0]}; the EP size: every GPU, no estimate left)")
     ap.add_argument("--seed", type=int, default=0, help="--counts poisson: the draws' seed")
     ap.add_argument("--presets", default=",".join(TOKEN_PRESETS),
                     help=f"token presets to run (default {','.join(TOKEN_PRESETS)})")
@@ -305,6 +369,8 @@ def main() -> None:
     CONTROL[0] = a.control_interval
     READS[:] = [a.read_tokens, a.dispatch_tokens]
     STEADY[0] = a.steady_windows
+    RETIME[0] = a.retime
+    MEASURED[0] = a.max_measured
     eps, models, names = [int(x) for x in a.ep.split(",")], a.models.split(","), a.traces.split(",")
     presets = a.presets.split(",")
     if unknown := [p for p in presets if p not in TOKEN_PRESETS]:

@@ -435,6 +435,86 @@ def test_gpu_cost_switches_to_a_fitted_estimate():
     assert all(table[k] == c.cache[k] for k in keys) and len(table) == len(c.cache)
 
 
+def test_gpu_cost_retime_times_in_shuffled_rounds_and_serves_the_median():
+    """`retime`: every key timed once per round, each round in its own order; afterwards
+    the cache serves each key's median over the rounds, `use_round(r)` round r's time, all
+    from the timings recorded here as `_time` returned them. `freeze` stops refits."""
+    from eplb.ops import gpu_cost
+    c = gpu_cost.GpuGemmCost(TINY, max_slots=3, max_tokens=64, device="cpu", bucket=1, reps=1)
+    keys = [(n, 2) for n in range(3, 11)]  # 8 two-slot GEMMs
+    for k in keys:
+        c.measure(list(k))
+    seen: list[tuple[tuple[int, ...], float]] = []
+    timed = c._time
+
+    def record(key, reps=None):  # the real timing, written down
+        t = timed(key, reps)
+        seen.append((key, t))
+        return t
+    c._time = record
+    runs = c.runs
+    c.retime(keys, rounds=3, seed=1)
+    assert c.runs == runs  # re-timing is not measuring new GEMMs
+    assert len(seen) == 3 * len(keys)
+    orders = [[k for k, _ in seen[i * 8:(i + 1) * 8]] for i in range(3)]
+    assert all(sorted(o) == sorted(keys) for o in orders)  # each round: every key once
+    assert len({tuple(o) for o in orders}) == 3  # in three different orders
+    for k in keys:
+        ts = [t for key, t in seen if key == k]
+        assert c.measure(list(k)) == np.median(ts)
+    c.use_round(2)
+    assert all(c.cache[k] == t for k, t in seen[16:])
+    c.use_round(None)
+    with pytest.raises(ValueError, match="never measured"):
+        c.retime([(63, 1)], rounds=1)
+    with pytest.raises(ValueError, match="at least one round"):
+        c.retime(keys, rounds=0)
+    c._time = timed
+    c.freeze()
+    for n in range(1, 2 * gpu_cost.FIT_MIN):  # would fit at FIT_MIN GEMMs if not frozen
+        c.measure([n, 1, 1])
+    assert c.coef is None
+    c.freeze(False)
+    c.measure([64, 64, 64])
+    assert c.coef is not None
+
+
+def test_bench_issue29_side_by_side_scores_on_the_retimed_gemms(tmp_path):
+    """benchmarks/issue29.py's `side_by_side` on a small replay with the measured cost (CPU
+    path): the GEMMs it re-times are exactly those its final replay uses, a replay on one
+    round's times is that round's row, and the row on the median times is the replay with
+    every GEMM at the median of its rounds, recomputed here from `cost.rounds`."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import issue29
+    from eplb.ops.gpu_cost import GpuGemmCost
+
+    trace = skewed_trace(T=8, L=2, N=16)
+    link = LinkModel(gpus_per_node=2)
+    planned = plan_scale(trace, TINY, 4, 20, 2, 2, link)
+    cost = GpuGemmCost(TINY, max_slots=8, max_tokens=256, device="cpu", bucket=4, reps=1, max_measured=2)
+
+    def replay() -> dict:
+        return {"shift": scale_replay(trace, TINY, 4, 20, 16, 2, 2, cost, link, planned=planned),
+                "noshift": scale_replay(trace, TINY, 4, 20, 16, 2, 2, cost, link, planned=planned)}
+    replay()
+    res, rounds = issue29.side_by_side(replay, cost, 3)
+    assert len(rounds) == 3 and not cost.frozen and cost.touched is None
+    assert rounds[0]["gemms"] == len(cost.rounds) > 0
+    cost.freeze()
+    cost.track()
+    again = replay()  # the final replay once more: it asks for the re-timed GEMMs, no others
+    assert cost.touched == set(cost.rounds)
+    assert again["shift"].to_dict() == res["shift"].to_dict()
+    for k, ts in cost.rounds.items():
+        assert cost.cache[k] == np.median(ts) and len(ts) == 3
+    cost.use_round(1)
+    one = replay()
+    assert {k: v.tokens_per_s for k, v in one["shift"].rows.items()} == \
+        {k: v.tokens_per_s for k, v in rounds[1]["shift"].items()}
+    assert issue29._ratio(rounds[1], "default/deepseek") == \
+        one["shift"].rows["default"].tokens_per_s / one["shift"].rows["deepseek"].tokens_per_s
+
+
 def test_bench_issue29_ratios_and_plan_cache(tmp_path):
     """benchmarks/issue29.py: its ratios are the replay's tokens/s over each other, the shift
     figures differ from the no-shift ones on a shifting family, and plans read back from its

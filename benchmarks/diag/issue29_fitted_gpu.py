@@ -24,7 +24,8 @@ be tried against GPU-like costs without a GPU, and says why a placement is slowe
         --gemms benchmarks/results/2026-12-03-issue29-gpu-ep8-64/ep8/gemms.json.gz \\
         --trace steady-lognormal --ep 8
 
-Plans are made here (the CPU part); the runtime's defaults, decode preset, DeepSeek-V3.
+Plans are made here (the CPU part); the runtime's defaults, DeepSeek-V3, the `--preset`
+(decode unless told).
 """
 from __future__ import annotations
 
@@ -120,6 +121,8 @@ def main() -> None:
     ap.add_argument("--gemms", type=Path, default=None, help="its gemms.json(.gz): to report the fit's error")
     ap.add_argument("--trace", default="steady-lognormal")
     ap.add_argument("--ep", type=int, default=8)
+    ap.add_argument("--preset", choices=tuple(issue29.TOKEN_PRESETS), default="decode",
+                    help="token preset (the fit must come from a run of it)")
     ap.add_argument("--tolerances", default="0.03,0.01,0")
     ap.add_argument("--shared", type=Path, default=issue29.SHARED)
     ap.add_argument("--out", type=Path, default=None, help="write fitted_gpu.json here")
@@ -136,7 +139,7 @@ def main() -> None:
     a = ap.parse_args()
     issue29.SHARED_DIR[0] = a.shared
     issue29.READS[1] = a.dispatch_tokens
-    model, preset = "deepseek-v3", "decode"
+    model, preset = "deepseek-v3", a.preset
     shape = MODEL_PRESETS[model]
     cost = FittedCost(json.loads(a.fit.read_text())["gpu"][model][preset]["fit"])
     doc: dict = {"fit": dict(zip(FEATURES, cost.coef.tolist())), "trace": a.trace, "ep": a.ep,

@@ -22,10 +22,18 @@ once and cached. With `audit_every` k, every k-th layer also has all its GPUs me
 check that the picked GPUs held the slowest one (`stats()["audit_min_ratio"]`). `stats()` says how many GEMMs ran, how many the cache served, and how far
 the estimates were from the measured times. On a CPU device (tests) the reference
 model's CPU path runs instead (`moe.experts.swiglu` per slot), timed with perf_counter.
+
+Comparing placements: a replay times one placement kind's GEMMs after another's, minutes
+apart, and a GPU's speed drifts over minutes by about as much as two good placements
+differ. `retime` times the GEMMs a replay used again, in shuffled rounds, so that every
+kind's GEMMs are timed side by side; `freeze` first, so that the replay run again picks the
+same GPUs, and `use_round` to score each round on its own (the spread of the rounds' ratios
+is the noise left).
 """
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -91,6 +99,9 @@ class GpuGemmCost:
         self._times: list[float] = []
         self.coef: np.ndarray | None = None  # the fitted estimate, once FIT_MIN GEMMs ran
         self._fitted_on = 0
+        self.frozen = False  # no refits (`freeze`)
+        self.touched: set[tuple[int, ...]] | None = None  # keys asked for since `track()`
+        self.rounds: dict[tuple[int, ...], list[float]] = {}  # key -> its times, one per `retime` round
         self.grid, self.single = self._calibrate()
 
     def _tokens(self, n: int) -> torch.Tensor:  # [n, H] bf16 activations
@@ -105,6 +116,8 @@ class GpuGemmCost:
         if c.size == 0:
             return 0.0
         key = tuple(sorted((-(-c // self.bucket) * self.bucket).tolist(), reverse=True))
+        if self.touched is not None:
+            self.touched.add(key)
         if key in self.cache:
             self.hits += 1
             return self.cache[key]
@@ -117,7 +130,7 @@ class GpuGemmCost:
         self.runs += 1
         self._rows.append(features(np.asarray(key, dtype=np.float64)))
         self._times.append(t)
-        if len(self._times) >= FIT_MIN and len(self._times) >= 2 * self._fitted_on:
+        if not self.frozen and len(self._times) >= FIT_MIN and len(self._times) >= 2 * self._fitted_on:
             self._fit()
         return t
 
@@ -148,21 +161,22 @@ class GpuGemmCost:
             return torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
         return run
 
-    def _time(self, key: tuple[int, ...]) -> float:
+    def _time(self, key: tuple[int, ...], reps: int | None = None) -> float:
         """Seconds of `gemm(key)`: over a CUDA graph on CUDA (`_time_graph`), else the
-        median of `reps` perf_counter timings after a warm-up."""
+        median of `reps` (default `self.reps`) perf_counter timings after a warm-up."""
+        reps = self.reps if reps is None else reps
         run = self.gemm(key)
         if self.device.type == "cuda":
-            return self._time_graph(run)
+            return self._time_graph(run, reps)
         run()  # warm-up
         times = []
-        for _ in range(self.reps):
+        for _ in range(reps):
             t0 = time.perf_counter()
             run()
             times.append(time.perf_counter() - t0)
         return float(np.median(times))
 
-    def _time_graph(self, run) -> float:
+    def _time_graph(self, run, reps: int) -> float:
         """Seconds of one `run()` on CUDA: the median over `reps` replays of a CUDA graph of
         `inner` back-to-back runs, divided by `inner` (as many runs as fill GRAPH_SECONDS,
         at most MAX_INNER). Timed one launch at a time (median of 3), a decode GEMM's time
@@ -187,7 +201,7 @@ class GpuGemmCost:
                 run()
         graph.replay()  # warm-up
         times = []
-        for _ in range(self.reps):
+        for _ in range(reps):
             start.record()
             graph.replay()
             end.record()
@@ -195,6 +209,42 @@ class GpuGemmCost:
             times.append(start.elapsed_time(end) * 1e-3 / inner)
         del graph
         return float(np.median(times))
+
+    # ---- side-by-side re-timing (see the module docstring) ------------------------------
+    def freeze(self, frozen: bool = True) -> None:
+        """Stop refitting the estimate (or start again): the GPUs a layer measures then depend
+        on its counts alone, so a replay run twice asks for the same GEMMs."""
+        self.frozen = frozen
+
+    def track(self) -> None:
+        """Start recording the keys `measure` is asked for (into `touched`)."""
+        self.touched = set()
+
+    def retime(self, keys, rounds: int, reps: int = 1, seed: int = 0,
+               progress: Callable[[], None] | None = None) -> None:
+        """Time the measured GEMMs `keys` again `rounds` times, each round over all of them in
+        a new random order (`reps` timings each), and serve from then on the median of a
+        key's rounds. `progress()` is called after each timing."""
+        keys = sorted(keys)
+        if missing := [k for k in keys if k not in self.cache]:
+            raise ValueError(f"retime: {len(missing)} of the keys were never measured, e.g. {missing[0]}")
+        rounds = int(rounds)
+        if rounds < 1:
+            raise ValueError(f"retime needs at least one round, got {rounds}")
+        rng = np.random.default_rng(seed)
+        times: dict[tuple[int, ...], list[float]] = {k: [] for k in keys}
+        for _ in range(rounds):
+            for i in rng.permutation(len(keys)):
+                times[keys[i]].append(self._time(keys[i], reps))
+                if progress:
+                    progress()
+        self.rounds = times
+        self.use_round(None)
+
+    def use_round(self, r: int | None) -> None:
+        """Serve the re-timed keys' times of round `r`, or (None) the median of their rounds."""
+        for k, ts in self.rounds.items():
+            self.cache[k] = float(np.median(ts)) if r is None else ts[r]
 
     def measured(self) -> list[tuple[list[int], float]]:
         """Every GEMM measured so far: (its sorted, bucketed token counts, seconds)."""
