@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -223,70 +224,76 @@ def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path
            "counts": counts, "seed": seed, "rows": []}
     out.mkdir(parents=True, exist_ok=True)
     costs = {}
-    for model, name, M in configs(eps, models, names):
-        shape = MODEL_PRESETS[model]
-        if model not in costs:
-            gpu = {"max_measured": MEASURED[0]} if cost_kind == "gpu" else {}
-            costs[model] = {p: make_cost(cost_kind, shape, 1 + shape.num_experts // 8 + 1, t, **gpu)
-                            for p, t in TOKEN_PRESETS.items() if p in presets}
-        P = shape.num_experts + M
-        for preset in presets:
-            tokens = TOKEN_PRESETS[preset]
-            if plans is not None and not _plan_file(plans, model, name, M, shift, preset).exists():
-                print(f"{model} {name} EP {M} {preset}: not in {plans} (planning was cut short): left out",
-                      flush=True)
-                continue
-            t0 = time.perf_counter()
-            variants = _plans(model, name, M, shift, plans, preset)
-            t_plan = time.perf_counter() - t0
-            trace = variants["shift"][0]
+    try:  # a run cut short (timeout's SIGTERM: see main) still writes the GEMMs it timed
+        for model, name, M in configs(eps, models, names):
+            shape = MODEL_PRESETS[model]
+            if model not in costs:
+                gpu = {"max_measured": MEASURED[0]} if cost_kind == "gpu" else {}
+                costs[model] = {p: make_cost(cost_kind, shape, 1 + shape.num_experts // 8 + 1, t, **gpu)
+                                for p, t in TOKEN_PRESETS.items() if p in presets}
+            P = shape.num_experts + M
+            for preset in presets:
+                tokens = TOKEN_PRESETS[preset]
+                if plans is not None and not _plan_file(plans, model, name, M, shift, preset).exists():
+                    print(f"{model} {name} EP {M} {preset}: not in {plans} (planning was cut short): left out",
+                          flush=True)
+                    continue
+                t0 = time.perf_counter()
+                variants = _plans(model, name, M, shift, plans, preset)
+                t_plan = time.perf_counter() - t0
+                trace = variants["shift"][0]
 
-            def replay(cost=costs[model][preset]) -> dict:
-                return {label: scale_replay(trace, shape, M, P, tokens, WINDOW, INTERVAL, cost, link,
-                                            planned=pl, opts=_opts(thr, M, shape, preset), counts=counts,
-                                            seed=seed)
-                        for (label, pl), thr in zip(variants.items(), (shift, 0.0))}
-            res = replay()
-            rounds, first = [], None
-            if cost_kind == "gpu" and RETIME[0]:
-                first = _ratio({k: v.rows for k, v in res.items()}, "default/deepseek")
-                res, rounds = side_by_side(replay, costs[model][preset], RETIME[0])
-            r, r0 = res["shift"].rows, res["noshift"].rows
-            tps = {k: v.tokens_per_s for k, v in r.items()}
-            blocks = variants["shift"][1]["default"]
-            blocks0 = variants["noshift"][1]["default"]
-            row = {"model": model, "trace": name, "ep": M, "preset": preset,
-                   "tokens_per_s": tps, "default_noshift": r0["default"].tokens_per_s,
-                   "default/deepseek": tps["default"] / tps["deepseek"],
-                   "default/oracle": tps["default"] / tps["oracle"],
-                   "noshift/deepseek": r0["default"].tokens_per_s / tps["deepseek"],
-                   "noshift/oracle": r0["default"].tokens_per_s / tps["oracle"],
-                   "moves_per_rebalance": _moves(blocks), "moves_per_rebalance_noshift": _moves(blocks0),
-                   "early_rebalances": sum(b.record.early for b in blocks if b.record),
-                   "shifted_plans": sum(b.record.shifted for b in blocks if b.record),
-                   "plan_s": round(t_plan, 1)}
-            spread = ""
-            if rounds:  # each round's ratios: the timing noise left
-                row["rounds"] = {k: [_ratio(x, k) for x in rounds] for k in
-                                 ("default/deepseek", "noshift/deepseek", "default/oracle")}
-                row["retimed_gemms"] = rounds[0]["gemms"]
-                row["default/deepseek_first_timing"] = first  # before re-timing: one kind after another
-                lo, hi = min(row["rounds"]["default/deepseek"]), max(row["rounds"]["default/deepseek"])
-                spread = f" [{len(rounds)} rounds {lo:.4f}-{hi:.4f}; first timing {first:.4f}]"
-            doc["rows"].append(row)
-            print(f"{model:<12} {name:<17} EP {M:>3} {preset:<7} default/deepseek "
-                  f"{row['default/deepseek']:.4f}{spread} (no shift {row['noshift/deepseek']:.3f})  "
-                  f"default/oracle {row['default/oracle']:.3f} (no shift {row['noshift/oracle']:.3f})  "
-                  f"moves/rebalance {row['moves_per_rebalance']:.1f} (no shift "
-                  f"{row['moves_per_rebalance_noshift']:.1f}), early {row['early_rebalances']}, "
-                  f"shifted {row['shifted_plans']}", flush=True)
-            (out / "issue29.json").write_text(json.dumps(doc) + "\n")  # after every row: partial runs keep theirs
-    if cost_kind == "gpu":
-        doc["gpu"] = {m: {p: c.stats() for p, c in cs.items()} for m, cs in costs.items()}
-        (out / "issue29.json").write_text(json.dumps(doc) + "\n")
-        # every measured GEMM (sorted token counts, seconds), to fit or check cost models offline
-        (out / "gemms.json").write_text(json.dumps(
-            {m: {p: c.measured() for p, c in cs.items()} for m, cs in costs.items()}) + "\n")
+                def replay(cost=costs[model][preset]) -> dict:
+                    return {label: scale_replay(trace, shape, M, P, tokens, WINDOW, INTERVAL, cost, link,
+                                                planned=pl, opts=_opts(thr, M, shape, preset), counts=counts,
+                                                seed=seed)
+                            for (label, pl), thr in zip(variants.items(), (shift, 0.0))}
+                res = replay()
+                rounds, first = [], None
+                if cost_kind == "gpu" and RETIME[0]:
+                    first = _ratio({k: v.rows for k, v in res.items()}, "default/deepseek")
+                    res, rounds = side_by_side(replay, costs[model][preset], RETIME[0])
+                r, r0 = res["shift"].rows, res["noshift"].rows
+                tps = {k: v.tokens_per_s for k, v in r.items()}
+                blocks = variants["shift"][1]["default"]
+                blocks0 = variants["noshift"][1]["default"]
+                row = {"model": model, "trace": name, "ep": M, "preset": preset,
+                       "tokens_per_s": tps, "default_noshift": r0["default"].tokens_per_s,
+                       "default/deepseek": tps["default"] / tps["deepseek"],
+                       "default/oracle": tps["default"] / tps["oracle"],
+                       "noshift/deepseek": r0["default"].tokens_per_s / tps["deepseek"],
+                       "noshift/oracle": r0["default"].tokens_per_s / tps["oracle"],
+                       "moves_per_rebalance": _moves(blocks), "moves_per_rebalance_noshift": _moves(blocks0),
+                       "early_rebalances": sum(b.record.early for b in blocks if b.record),
+                       "shifted_plans": sum(b.record.shifted for b in blocks if b.record),
+                       "plan_s": round(t_plan, 1), "score_s": round(time.perf_counter() - t0 - t_plan, 1)}
+                spread = ""
+                if rounds:  # each round's ratios: the timing noise left
+                    row["rounds"] = {k: [_ratio(x, k) for x in rounds] for k in
+                                     ("default/deepseek", "noshift/deepseek", "default/oracle")}
+                    row["retimed_gemms"] = rounds[0]["gemms"]
+                    row["default/deepseek_first_timing"] = first  # before re-timing: one kind after another
+                    lo, hi = min(row["rounds"]["default/deepseek"]), max(row["rounds"]["default/deepseek"])
+                    spread = f" [{len(rounds)} rounds {lo:.4f}-{hi:.4f}; first timing {first:.4f}]"
+                doc["rows"].append(row)
+                print(f"{model:<12} {name:<17} EP {M:>3} {preset:<7} default/deepseek "
+                      f"{row['default/deepseek']:.4f}{spread} (no shift {row['noshift/deepseek']:.3f})  "
+                      f"default/oracle {row['default/oracle']:.3f} (no shift {row['noshift/oracle']:.3f})  "
+                      f"moves/rebalance {row['moves_per_rebalance']:.1f} (no shift "
+                      f"{row['moves_per_rebalance_noshift']:.1f}), early {row['early_rebalances']}, "
+                      f"shifted {row['shifted_plans']}, scored in {row['score_s']:.0f} s", flush=True)
+                (out / "issue29.json").write_text(json.dumps(doc) + "\n")  # after every row: partial runs keep theirs
+    finally:
+        if cost_kind == "gpu":
+            doc["gpu"] = {m: {p: c.stats() for p, c in cs.items()} for m, cs in costs.items()}
+            (out / "issue29.json").write_text(json.dumps(doc) + "\n")
+            # every measured GEMM (sorted token counts, seconds), to fit or check cost models offline
+            (out / "gemms.json").write_text(json.dumps(
+                {m: {p: c.measured() for p, c in cs.items()} for m, cs in costs.items()}) + "\n")
+            if RETIME[0]:  # the last configuration's re-timed GEMMs: [counts, [seconds per round]]
+                (out / "rounds.json").write_text(json.dumps(
+                    {m: {p: [[list(k), ts] for k, ts in c.rounds.items()] for p, c in cs.items()}
+                     for m, cs in costs.items()}) + "\n")
     return doc
 
 
@@ -388,6 +395,7 @@ def main() -> None:
         return
     if a.out is None:
         ap.error("--out is required (unless --plan-only)")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through run()'s finally
     run(a.cost, a.out, a.shift_threshold, eps, models, names, a.plans, a.counts, a.seed, presets)
 
 
