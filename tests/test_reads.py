@@ -222,6 +222,81 @@ def test_swap_down_and_objective_hold_the_token_cap_on_their_own():
     assert got[1:] == pytest.approx(per_gpu(cost, raised)[1:].max(1))
 
 
+def _swap_down_by_hand(cost, tokens, p2l, m, n, iters, dispatch_tokens, target, cap):
+    """`swap_down` written as loops, one row at a time: every swap of a slot of the
+    costliest GPU h with a slot of another GPU g, scored max(h after, g after) plus
+    dispatch_tokens per token the pair's larger GPU tokens end above the cap (excluded
+    when inf), experts never twice on a GPU; the lowest score in (g, u, v) order wins if it
+    lowers h by the minimum gain."""
+    from eplb.core.policy.balanced.reads import REL_EPS, SWAP_MIN_GAIN
+    R, p = p2l.shape
+    s = p // m
+    out = p2l.copy()
+    for r in range(R):
+        e = out[r].reshape(m, s)  # a view
+        load = lambda g: sum(cost[r, x] for x in e[g])
+        tok = lambda g: sum(tokens[r, x] for x in e[g])
+        eps = max(SWAP_MIN_GAIN * np.mean([load(g) for g in range(m)]), 1e-300)
+        lim = (max(tok(g) for g in range(m)) if cap is None else max(cap[r], 0.0)) * (1 + REL_EPS)
+        for _ in range(iters):
+            loads = [load(g) for g in range(m)]
+            h = int(np.argmax(loads))
+            if target is not None and loads[h] <= target[r] * (1 + REL_EPS):
+                break
+            best = None
+            for g in range(m):
+                for u in range(s):
+                    for v in range(s):
+                        a, b = e[h, u], e[g, v]
+                        if g == h or a in e[g] or b in e[h]:
+                            continue
+                        d = cost[r, a] - cost[r, b]
+                        if d <= eps:
+                            continue
+                        dt = tokens[r, a] - tokens[r, b]
+                        over = max(tok(h) - dt, tok(g) + dt) - lim
+                        if over > 0 and np.isinf(dispatch_tokens):
+                            continue
+                        sc = max(loads[h] - d, loads[g] + d) + (dispatch_tokens * max(over, 0.0) if over > 0 else 0.0)
+                        if best is None or sc < best[0]:
+                            best = (sc, g, u, v)
+            if best is None or not best[0] < loads[h] - eps:
+                break
+            _, g, u, v = best
+            e[h, u], e[g, v] = e[g, v], e[h, u]
+            lim = max(lim, tok(h), tok(g))
+    return out
+
+
+@pytest.mark.parametrize("dispatch_tokens,with_target", [(float("inf"), False), (40.0, False), (1.0, True)])
+def test_swap_down_is_the_search_written_as_loops(dispatch_tokens, with_target):
+    """The vectorised swap search (all rows at once, exclusions as large sums) makes the
+    very swaps of the loops above, on random rows with hot, cold and replicated experts."""
+    from eplb.core.policy.balanced.reads import swap_down
+
+    rng = np.random.default_rng(5)
+    R, m, s, n = 6, 4, 5, 16
+    rows = []
+    while len(rows) < R:  # every expert once, 4 of them twice, never twice on one GPU
+        row = rng.permutation(np.concatenate([np.arange(n), rng.choice(n, m * s - n, replace=False)]))
+        if all(len(set(row[g * s:(g + 1) * s])) == s for g in range(m)):
+            rows.append(row)
+    p2l = np.stack(rows)  # [R, p]
+    # whole numbers: sums are exact in any order, so ties (replicas of one expert on two GPUs
+    # make many) fall to the first swap in both versions, not to rounding
+    tokens = np.floor(rng.lognormal(1.0, 1.5, size=(R, n)))  # [R, n]
+    cost = tokens + 30.0 * (tokens > 0)
+    target = cap = None
+    if with_target:
+        per = np.array([[cost[r, p2l[r, g * s:(g + 1) * s]].sum() for g in range(m)] for r in range(R)])
+        target = per.mean(1) + 0.3 * (per.max(1) - per.mean(1))  # [R] part of the way down
+        cap = np.array([max(tokens[r, p2l[r, g * s:(g + 1) * s]].sum() for g in range(m)) for r in range(R)]) * 0.9
+    got = swap_down(cost, tokens, p2l, m, n, 50, dispatch_tokens, target, cap)
+    want = _swap_down_by_hand(cost, tokens, p2l, m, n, 50, dispatch_tokens, target, cap)
+    assert not np.array_equal(want, p2l)  # the loops did swap
+    assert np.array_equal(got, want)
+
+
 def test_expected_tiles_is_the_poisson_mean_of_the_tile_count():
     from eplb.core.policy.balanced.reads import expected_tiles
 

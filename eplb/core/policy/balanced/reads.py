@@ -48,6 +48,7 @@ WARM_TOKENS = 8.0  # a slot expecting this many tokens per step is empty with p 
 CATCH_UP_DISPATCH_TOKENS = 1.0
 READ_ITERS = 200  # most swaps per row (the search stops earlier when no swap gains)
 SWAP_MIN_GAIN = 1e-4  # a swap must lower the costliest GPU by this fraction of the mean GPU cost
+EXCLUDED = 1e300  # swap_down: what an excluded swap adds to its score (a few still sum below inf)
 
 
 def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, read_tokens: float,
@@ -88,15 +89,20 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     # token balance, tiles or not: their reads differ from GPU to GPU by the rounding of
     # tiles at most, and searching every warm row costs tens of ms at the DeepSeek-V3 shape.
     # Only the catch-up with the reference looks at every row
-    cold = (lam[r, p2l] < WARM_TOKENS).any(1)  # [R]
-    look = np.ones(R, dtype=bool) if reference is not None else cold
-    if not look.any():
+    lam_s = lam[r, p2l]  # [R, p] tokens per step of each slot
+    cold = (lam_s < WARM_TOKENS).any(1)  # [R]
+    look = np.flatnonzero(cold) if reference is None else np.arange(R)  # [R'] rows costed
+    if not look.size:
         return p2l
-    cost = np.zeros((R, n))
-    cost[look] = lam[look] + read_tokens * expected_tiles(lam[look], tile_rows)  # [R, n] one slot's
-    sums = gpu_sums(cost[r, p2l], m)  # [R, m]
+    # a slot's cost is that of one slot of its expert, so it is costed per slot here (p of
+    # them a row, not n), and per expert only for the rows searched below (`expert_cost`)
+    sums = np.zeros((R, m))
+    sums[look] = gpu_sums(lam_s[look] + read_tokens * expected_tiles(lam_s[look], tile_rows), m)  # [R', m]
     top = sums.max(1)  # [R]
-    base_tok = gpu_sums(lam[r, p2l], m).max(1)  # [R] the busiest GPU's tokens
+    base_tok = gpu_sums(lam_s, m).max(1)  # [R] the busiest GPU's tokens
+
+    def expert_cost(rows: np.ndarray) -> np.ndarray:  # [R'] -> [R', n] one slot's cost of each expert
+        return lam[rows] + read_tokens * expected_tiles(lam[rows], tile_rows)
     # swaps keep a row's total cost, so no GPU ends below the mean: rows whose costliest GPU
     # is within min_gain of the mean cannot gain enough (most rows when a plan is in force)
     can = cold & (top * (1.0 - min_gain) > sums.mean(1) * (1.0 + REL_EPS))
@@ -107,8 +113,9 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
         over = top > ref_cost * (1.0 + REL_EPS)  # costlier than the fresh reference
     rows = np.nonzero(can & ~over)[0]
     if rows.size:
-        new = swap_down(cost[rows], lam[rows], p2l[rows], m, n, READ_ITERS, dispatch_tokens)  # [R', p]
-        after = objective(cost[rows], lam[rows], new, m, dispatch_tokens, base_tok[rows])
+        cost = expert_cost(rows)  # [R', n]
+        new = swap_down(cost, lam[rows], p2l[rows], m, n, READ_ITERS, dispatch_tokens)  # [R', p]
+        after = objective(cost, lam[rows], new, m, dispatch_tokens, base_tok[rows])
         keep = after < top[rows] * (1.0 - min_gain)
         out[rows[keep]] = new[keep]
     rows = np.nonzero(over)[0]
@@ -129,8 +136,8 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
             cands.append(moved)
         best, best_after, best_moves = p2l[rows], top[rows], np.zeros(rows.size, dtype=np.int64)
         for i, start in enumerate(cands):  # the first keeps its counts: its costs are known
-            cs, ls = (cost[rows], lam[rows]) if i == 0 else per_slot(lam_e[rows], counts_of(start, n),
-                                                                     read_tokens, tile_rows)
+            cs, ls = (expert_cost(rows), lam[rows]) if i == 0 else per_slot(lam_e[rows], counts_of(start, n),
+                                                                            read_tokens, tile_rows)
             new = swap_down(cs, ls, start, m, n, READ_ITERS, price, target, cap)
             after = objective(cs, ls, new, m, price, cap)
             moves = (new != p2l[rows]).sum(1)
@@ -265,6 +272,13 @@ def swap_down(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int, n: 
     on = presence(p2l, m, n)  # [R, m, n]
     e3 = p2l.reshape(R, m, s)  # [R, m, s] a view: swaps below update p2l
     act = r  # rows still gaining
+    # the [A, m, s_h, s_g] work arrays, allocated once (allocating them each iteration took
+    # most of the time); an excluded swap scores EXCLUDED or more instead of inf, so the
+    # exclusions are sums, not masks (masked writes are slow)
+    shape4 = (R, m, s, s)
+    score_buf, d_buf, top_buf = np.empty(shape4), np.empty(shape4), np.empty(shape4)
+    price = EXCLUDED if np.isinf(dispatch_tokens) else dispatch_tokens  # per token over the cap
+    col = (slice(None), None, None, None)  # [A] -> [A, 1, 1, 1]
     for _ in range(iters):
         if act.size == 0:
             break
@@ -273,23 +287,27 @@ def swap_down(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int, n: 
         X, T, E, LD, TK = x[act], t[act], e3[act], load[act], tok[act]  # [A, m, s], [A, m]
         h = LD.argmax(1)  # [A] costliest GPU
         xh, th, eh = X[ra, h], T[ra, h], E[ra, h]  # [A, s]
-        d_cost = xh[:, None, :, None] - X[:, :, None, :]  # [A, m, s_h, s_g] cost h sheds
-        d_tok = th[:, None, :, None] - T[:, :, None, :]
-        new_h = LD[ra, h][:, None, None, None] - d_cost
-        new_g = LD[:, :, None, None] + d_cost
-        ok = d_cost > eps[act][:, None, None, None]  # h gets cheaper
-        c4 = cap[act][:, None, None, None]
-        top = np.maximum(TK[ra, h][:, None, None, None] - d_tok, TK[:, :, None, None] + d_tok)
-        if np.isinf(dispatch_tokens):
-            ok &= top <= c4
-            pen = 0.0
-        else:  # the row's largest GPU tokens may rise, at dispatch_tokens per token
-            pen = dispatch_tokens * np.maximum(top - c4, 0.0)
+        score, d, top = score_buf[:A], d_buf[:A], top_buf[:A]  # [A, m, s_h, s_g]
+        np.subtract(xh[:, None, :, None], X[:, :, None, :], out=d)  # the cost h sheds
+        np.subtract(LD[ra, h][col], d, out=score)  # h's cost after the swap
+        np.add(LD[:, :, None, None], d, out=top)  # g's cost after the swap
+        np.maximum(score, top, out=score)
+        # a swap must make h cheaper by eps: one that does not scores at least h's cost less
+        # eps, so it never passes `gain` below and never beats one that does
+        np.subtract(th[:, None, :, None], T[:, :, None, :], out=d)  # the tokens h sheds
+        np.subtract(TK[ra, h][col], d, out=top)
+        np.add(TK[:, :, None, None], d, out=d)
+        np.maximum(top, d, out=top)  # the pair's larger GPU tokens after the swap
+        np.subtract(top, cap[act][col], out=top)  # above the row's cap: priced (or excluded)
+        np.maximum(top, 0.0, out=top)
+        top *= price
+        score += top
         a3 = act[:, None, None]
-        ok &= ~on[a3, np.arange(m)[None, :, None], eh[:, None, :]][..., None]  # h's expert not on g
-        ok &= ~on[a3, h[:, None, None], E][:, :, None, :]  # g's expert not on h
-        ok[ra, h] = False  # not with itself
-        score = np.where(ok, np.maximum(new_h, new_g) + pen, np.inf).reshape(A, -1)  # [A, m * s * s]
+        no_g = on[a3, np.arange(m)[None, :, None], eh[:, None, :]] * EXCLUDED  # [A, m, s_h] h's expert on g
+        no_g[ra, h] = EXCLUDED  # not with itself
+        score += no_g[..., None]
+        score += (on[a3, h[:, None, None], E] * EXCLUDED)[:, :, None, :]  # g's expert on h
+        score = score.reshape(A, -1)  # [A, m * s * s]
         best = score.argmin(1)  # [A] first of the ties: deterministic
         gain = score[ra, best] < LD[ra, h] - eps[act]
         act = act[gain]  # a row without a gain now never has one: nothing else changes it
