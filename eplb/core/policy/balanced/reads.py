@@ -33,6 +33,7 @@ moves less (`spread_reads`). The runtime's defaults (`EplbConfig.read_tokens`, `
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from eplb.core.policy.base import DEFAULT_TILE_ROWS
 from eplb.core.policy.balanced.moves import transition
@@ -111,6 +112,10 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     if reference is not None:
         ref_cost, ref_tok = reference[0][layer], reference[1][layer]  # [R]
         over = top > ref_cost * (1.0 + REL_EPS)  # costlier than the fresh reference
+    # two kinds of rows, each with its own rule for keeping the result:
+    # 1. within the reference (or without one): swaps alone, kept when they gain min_gain;
+    # 2. costlier than the reference: brought down to it, whatever min_gain, by the
+    #    candidate (swaps alone, or DeepSeek's counts first) that gets there in fewer moves
     rows = np.nonzero(can & ~over)[0]
     if rows.size:
         cost = expert_cost(rows)  # [R', n]
@@ -208,15 +213,9 @@ _TAIL = 8.0  # expected_tiles: standard deviations beyond which a tile's term is
 
 
 def erfc(x: np.ndarray) -> np.ndarray:
-    """The complementary error function, elementwise (fractional error below 1.2e-7;
-    numpy has none): the Chebyshev fit of Numerical Recipes' erfcc."""
-    z = np.abs(x)
-    t = 1.0 / (1.0 + 0.5 * z)
-    poly = (-z * z - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
-        -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
-            -0.82215223 + t * 0.17087277)))))))))
-    r = t * np.exp(poly)
-    return np.where(x >= 0, r, 2.0 - r)
+    """The complementary error function, elementwise (numpy has none): torch's
+    `special.erfc` on a float64 copy of x (correct to double precision)."""
+    return torch.special.erfc(torch.from_numpy(np.array(x, dtype=np.float64))).numpy()
 
 
 def per_slot(lam_e: np.ndarray, c: np.ndarray, read_tokens: float, tile_rows: float):
