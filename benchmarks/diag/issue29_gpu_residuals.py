@@ -14,6 +14,12 @@ within 5%, at most 4), and this prints:
 - how far that slowest GEMM was above its own fitted time (the residual the fit misses);
 - the busiest GPU's tokens over the mean, and the size of the largest slot of a GPU.
 
+Then it refits the run's GEMMs (those of at least `--min-slots` slots: the single-slot
+calibration grid left out) on `gpu_cost.features` alone and with one more feature each
+(the largest slot, its 128-row tiles, the sum of squared slot sizes), and prints each fit's
+median and 95th-percentile relative error: does a feature of the GEMM's shape explain what
+the fit misses?
+
 Plans are read, not made, so the figures are those of the very GEMMs the run timed.
 """
 from __future__ import annotations
@@ -32,7 +38,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from eplb.core.cost_model import MODEL_PRESETS, TOKEN_PRESETS  # noqa: E402
 from eplb.core.scale import slot_counts  # noqa: E402
-from eplb.ops.gpu_cost import FEATURES, fitted_seconds  # noqa: E402
+from eplb.ops.gpu_cost import FEATURES, features, fitted_seconds  # noqa: E402
 import issue29  # noqa: E402
 
 
@@ -45,6 +51,7 @@ def main() -> None:
     ap.add_argument("--preset", choices=tuple(TOKEN_PRESETS), default="prefill")
     ap.add_argument("--model", default="deepseek-v3")
     ap.add_argument("--bucket", type=int, default=8, help="the run's GpuGemmCost bucket")
+    ap.add_argument("--min-slots", type=int, default=2, help="refits: GEMMs of at least this many slots")
     a = ap.parse_args()
     doc = json.loads((a.run / "issue29.json").read_text())
     coef = np.array([doc["gpu"][a.model][a.preset]["fit"][k] for k in FEATURES])
@@ -86,6 +93,27 @@ def main() -> None:
               f"slowest GEMM over its fit {100 * np.mean(resid):+.2f}%, busiest GPU tokens/mean {np.mean(tok):.4f}, "
               f"largest slot of a GPU {np.mean(big):.0f} tokens"
               + (f" ({missing} layers not in the run's GEMMs)" if missing else ""))
+
+    refit(table, a.min_slots)
+
+
+EXTRA = {"largest slot": lambda k: k.max(), "its 128-row tiles": lambda k: np.ceil(k.max() / 128),
+         "sum of squared slots": lambda k: (k ** 2).sum() / 1e6}
+
+
+def refit(table: dict, min_slots: int) -> None:
+    """Least squares of the GEMM times on `features` (relative error, as `GpuGemmCost._fit`),
+    alone and with each EXTRA feature: median and 95th percentile of |fit / time - 1|."""
+    keys = [np.array(k, dtype=np.float64) for k in table if len(k) >= min_slots]
+    y = np.array([table[tuple(int(v) for v in k)] for k in keys])  # [K] seconds
+    base = np.array([features(k) for k in keys])  # [K, F]
+    print(f"refits on {len(keys)} GEMMs of >= {min_slots} slots:")
+    for name, extra in [("features alone", None)] + list(EXTRA.items()):
+        X = base if extra is None else np.column_stack([base, [extra(k) for k in keys]])
+        coef, *_ = np.linalg.lstsq(X / y[:, None], np.ones_like(y), rcond=None)
+        err = np.abs(X @ coef / y - 1)
+        print(f"  {name:22s} |error| median {100 * np.median(err):.2f}%, 95th percentile "
+              f"{100 * np.percentile(err, 95):.2f}%")
 
 
 if __name__ == "__main__":
