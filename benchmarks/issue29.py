@@ -376,6 +376,8 @@ def main() -> None:
     CONTROL[0] = a.control_interval
     READS[:] = [a.read_tokens, a.dispatch_tokens]
     STEADY[0] = a.steady_windows
+    if a.retime < 0 or a.max_measured < 1:
+        ap.error(f"--retime must be >= 0 and --max-measured >= 1 (got {a.retime}, {a.max_measured})")
     RETIME[0] = a.retime
     MEASURED[0] = a.max_measured
     eps, models, names = [int(x) for x in a.ep.split(",")], a.models.split(","), a.traces.split(",")
