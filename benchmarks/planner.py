@@ -32,7 +32,7 @@ torch.set_num_threads(1)
 
 from eplb.core.placement import Placement  # noqa: E402
 from eplb.core.planning import plan  # noqa: E402
-from eplb.core.policy.base import PolicyOptions
+from eplb.core.policy.base import DEFAULT_READ_TOKENS, PolicyOptions  # noqa: E402
 from eplb.core.policy.registry import get_policy  # noqa: E402
 from eplb.core.transfer_plan import transfer_stats  # noqa: E402
 
@@ -273,6 +273,9 @@ def speed_loads(L: int, N: int, seed: int) -> np.ndarray:
     return np.round(1e5 / ranks ** 0.9 * rng.uniform(0.5, 1.5, (L, N)))
 
 
+READ_TOKENS_PER_GPU = (16, 128)  # section 4's decode-aware columns: decode steps of these sizes
+
+
 def section_speed() -> None:
     print("## 4. Speed: wall time of one plan in ms, median (min), one process, one core\n")
     rows = []
@@ -286,22 +289,67 @@ def section_speed() -> None:
         prev = plan(load, M, P, nodes, groups)
         fn = get_policy("default")
         reps = 61 if P < 400 else 11
-        t_pol, t_plan, t_prev = _median_ms([lambda: fn(drift, P, M, nodes, groups, None, opt),
-                                            lambda: plan(drift, M, P, nodes, groups),
-                                            lambda: plan(drift, M, P, nodes, groups, previous=prev)], reps)
+        # the runtime's default adds the decode-aware pass (`EplbConfig.read_tokens`), set
+        # against the step's token-expert choices: tokens per GPU x GPUs x top-8
+        reads = [dict(read_tokens=DEFAULT_READ_TOKENS, step_choices=float(M * tok * 8)) for tok in READ_TOKENS_PER_GPU]
+        t_pol, t_plan, t_prev, *t_reads = _median_ms(
+            [lambda: fn(drift, P, M, nodes, groups, None, opt),
+             lambda: plan(drift, M, P, nodes, groups),
+             lambda: plan(drift, M, P, nodes, groups, previous=prev)]
+            + [lambda kw=kw: plan(drift, M, P, nodes, groups, previous=prev, **kw) for kw in reads], reps)
         t_ds, = _median_ms([lambda: plan(drift, M, P, nodes, groups, policy="deepseek")], 5)
         b = plan(drift, M, P, nodes, groups)
         q = plan(drift, M, P, nodes, groups, previous=prev)
         d = plan(drift, M, P, nodes, groups, policy="deepseek")
-        rows.append([title, t_pol, t_plan, t_prev, t_ds,
+        rows.append([title, t_pol, t_plan, t_prev, *t_reads, t_ds,
                      f"{imbalance(drift, d.physical_to_logical, M).mean():.4f}",
                      f"{imbalance(drift, b.physical_to_logical, M).mean():.4f}",
                      f"{imbalance(drift, q.physical_to_logical, M).mean():.4f} "
                      f"({100 * (q.physical_to_logical != prev.physical_to_logical).mean():.0f}% moved)"])
-    table(["shape", "default policy ms", "plan() ms", "plan(previous) ms", "deepseek plan() ms",
+    table(["shape", "default policy ms", "plan() ms", "plan(previous) ms"]
+          + [f"plan(previous), decode-aware, {tok} tokens/GPU ms" for tok in READ_TOKENS_PER_GPU] + ["deepseek plan() ms",
            "imbalance deepseek", "imbalance default", "default with previous"], rows)
     print("load: Zipf-like synthetic (exponent 0.9, x0.5-1.5 noise, seed 1), then x0.8-1.2 drift "
-          "for the planned window; `previous` = the default plan of the undrifted load\n")
+          "for the planned window; `previous` = the default plan of the undrifted load; decode-aware: "
+          f"read_tokens {DEFAULT_READ_TOKENS:g} (the runtime's default, `EplbConfig.read_tokens`), "
+          "step_choices = tokens per GPU x GPUs x 8\n")
+    section_speed_process(cases[:2])
+
+
+def section_speed_process(cases) -> None:
+    """The runtime's path: rank 0 plans in a child process (`PlannerProcess`), whose glibc
+    heap keeps what it frees (`planner_process.MALLOC_SETTINGS`); side by side with a child
+    on glibc's defaults, and with the same call in this process."""
+    from eplb.runtime import planner_process
+
+    settings = dict(planner_process.MALLOC_SETTINGS)
+    kept = planner_process.PlannerProcess()
+    planner_process.MALLOC_SETTINGS = {}  # a child on glibc's defaults
+    try:
+        plain = planner_process.PlannerProcess()
+    finally:
+        planner_process.MALLOC_SETTINGS = settings
+    rows = []
+    try:
+        for title, L, N, P, M, nodes, groups in cases:
+            load = speed_loads(L, N, seed=1)
+            drift = load * np.random.default_rng(2).uniform(0.8, 1.2, load.shape)
+            prev = plan(load, M, P, nodes, groups)
+            for tok in READ_TOKENS_PER_GPU:
+                kw = dict(previous=prev, read_tokens=DEFAULT_READ_TOKENS, step_choices=float(M * tok * 8))
+                want = plan(drift, M, P, nodes, groups, **kw).physical_to_logical
+                same = all(np.array_equal(c.plan(drift, M, P, nodes, groups, **kw).physical_to_logical, want)
+                           for c in (kept, plain))
+                times = _median_ms([lambda c=c: c.plan(drift, M, P, nodes, groups, **kw) for c in (kept, plain)]
+                                   + [lambda: plan(drift, M, P, nodes, groups, **kw)], 61)
+                rows.append([title, str(tok), *times, "yes" if same else "NO"])
+    finally:
+        kept.close()
+        plain.close()
+    print("the runtime's path: plan(previous), decode-aware, in the planner process (the call "
+          "and its pickled reply), median (min) ms, calls round-robin\n")
+    table(["shape", "tokens/GPU", "planner process (heap kept) ms", "planner process (glibc defaults) ms",
+           "in this process ms", "same placement"], rows)
 
 
 # ---- 5. weighted replicas ---------------------------------------------------------------------

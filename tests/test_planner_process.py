@@ -11,7 +11,7 @@ import torch.distributed as dist
 from _dist import device_for, run_distributed
 from eplb.core.config import EplbConfig
 from eplb.core.placement import Placement
-from eplb.runtime.planner_process import PlannerProcess, PlannerProcessError
+from eplb.runtime.planner_process import MALLOC_SETTINGS, PlannerProcess, PlannerProcessError
 from eplb.core.planning import plan
 from eplb.core.policy.registry import register_policy
 from eplb.runtime import EplbRuntime
@@ -101,6 +101,36 @@ def test_close_ends_the_child():
     p.close()
     assert proc.poll() is not None and not p.alive
     p.close()  # idempotent
+
+
+def _child_environ(p: PlannerProcess) -> dict:
+    p.policies()  # the child has answered: it runs python (read earlier, its environ can be empty)
+    with open(f"/proc/{p._proc.pid}/environ", "rb") as f:  # Linux: the child's environment at exec
+        pairs = [kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv]
+    return {k.decode(): v.decode() for k, v in pairs}
+
+
+def test_child_keeps_its_freed_heap_unless_the_user_says_otherwise(monkeypatch):
+    """The child starts with glibc's trim and mmap thresholds raised (plans without page
+    faults on their temporaries); a value the user set in the environment wins."""
+    for name in MALLOC_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    p = PlannerProcess()
+    try:
+        env = _child_environ(p)
+        assert env["MALLOC_TRIM_THRESHOLD_"] == str(256 * 1024 * 1024)
+        assert env["MALLOC_MMAP_THRESHOLD_"] == str(64 * 1024 * 1024)
+        assert p.plan(np.ones((1, 4)), 2, 4).num_slots == 4  # and it plans
+    finally:
+        p.close()
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    p = PlannerProcess()
+    try:
+        env = _child_environ(p)
+        assert env["MALLOC_TRIM_THRESHOLD_"] == "131072"
+        assert env["MALLOC_MMAP_THRESHOLD_"] == str(64 * 1024 * 1024)
+    finally:
+        p.close()
 
 
 def test_child_exits_when_its_parent_closes_the_pipe():

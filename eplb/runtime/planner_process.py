@@ -17,6 +17,12 @@ outlives the process that started it. Policies registered at run time
 (`register_policy`) exist only in the parent: `can_plan(policy)` says whether the child
 knows a policy.
 
+The child keeps the heap memory it frees (`MALLOC_SETTINGS`, glibc): by default glibc hands
+the free top of the heap back to the OS above 128 KiB, so every plan page-faults its
+temporaries in again. At the DeepSeek-V3 shape that was about a third of a plan's time
+(benchmarks/README.md, issue 29, 2026-12-04 (fifth)). The planner's working set is tens
+of MB, so that is what the child keeps.
+
 Wire format, both ways: 8-byte little-endian length, then a pickle. Request: a dict of
 `plan()` arguments, or None to ask for the child's policy names. Reply: ("ok", result)
 or ("error", exception type name, message).
@@ -43,6 +49,12 @@ MAX_MESSAGE = 1 << 30  # bytes; a placement of any supported size is far below
 
 
 _CHILD = "import sys; from eplb.runtime.planner_process import main; sys.exit(main())"
+
+# glibc's malloc, read at the child's start (other C libraries ignore them): keep up to
+# 256 MiB of freed heap instead of trimming the heap top above 128 KiB, and serve arrays up
+# to 64 MiB from the heap instead of mapping them afresh (and faulting their pages in) each
+# time. An environment variable already set wins.
+MALLOC_SETTINGS = {"MALLOC_TRIM_THRESHOLD_": str(256 << 20), "MALLOC_MMAP_THRESHOLD_": str(64 << 20)}
 
 
 class PlannerProcessError(RuntimeError):
@@ -87,6 +99,8 @@ class PlannerProcess:
         # the planner is small and single-threaded work: leave the cores to the serving process
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("MKL_NUM_THREADS", "1")
+        for name, value in MALLOC_SETTINGS.items():  # plans without page faults (see the docstring)
+            env.setdefault(name, value)
         # the child imports this very eplb, even when it was put on sys.path by hand
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
