@@ -324,11 +324,13 @@ def section_speed_process(cases) -> None:
 
     settings = dict(planner_process.MALLOC_SETTINGS)
     kept = planner_process.PlannerProcess()
-    planner_process.MALLOC_SETTINGS = {}  # a child on glibc's defaults
+    planner_process.MALLOC_SETTINGS = {}  # a child on glibc's defaults, whatever this environment sets
+    ours = {name: os.environ.pop(name) for name in settings if name in os.environ}
     try:
         plain = planner_process.PlannerProcess()
     finally:
         planner_process.MALLOC_SETTINGS = settings
+        os.environ.update(ours)
     rows = []
     try:
         for title, L, N, P, M, nodes, groups in cases:
