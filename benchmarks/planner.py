@@ -322,14 +322,12 @@ def section_speed_process(cases) -> None:
     on glibc's defaults, and with the same call in this process."""
     from eplb.runtime import planner_process
 
-    settings = dict(planner_process.MALLOC_SETTINGS)
     kept = planner_process.PlannerProcess()
-    planner_process.MALLOC_SETTINGS = {}  # a child on glibc's defaults, whatever this environment sets
-    ours = {name: os.environ.pop(name) for name in settings if name in os.environ}
+    # a child on glibc's defaults, whatever this environment sets
+    ours = {name: os.environ.pop(name) for name in planner_process.MALLOC_SETTINGS if name in os.environ}
     try:
-        plain = planner_process.PlannerProcess()
+        plain = planner_process.PlannerProcess(malloc_settings={})
     finally:
-        planner_process.MALLOC_SETTINGS = settings
         os.environ.update(ours)
     rows = []
     try:

@@ -131,6 +131,13 @@ def test_child_keeps_its_freed_heap_unless_the_user_says_otherwise(monkeypatch):
         assert env["MALLOC_MMAP_THRESHOLD_"] == str(64 * 1024 * 1024)
     finally:
         p.close()
+    p = PlannerProcess(malloc_settings={})  # glibc's defaults: only what the environment sets
+    try:
+        env = _child_environ(p)
+        assert env["MALLOC_TRIM_THRESHOLD_"] == "131072"
+        assert "MALLOC_MMAP_THRESHOLD_" not in env
+    finally:
+        p.close()
 
 
 def test_child_exits_when_its_parent_closes_the_pipe():

@@ -89,7 +89,10 @@ class PlannerProcess:
     caller goes on, and the first `plan()` waits for that. If the child dies, `plan()`
     raises PlannerProcessError and the next call starts a new child."""
 
-    def __init__(self) -> None:
+    def __init__(self, malloc_settings: dict[str, str] | None = None) -> None:
+        """malloc_settings: glibc variables the child starts with unless the environment
+        sets them (default `MALLOC_SETTINGS`; {} leaves glibc's defaults)."""
+        self._malloc = dict(MALLOC_SETTINGS if malloc_settings is None else malloc_settings)
         self._lock = threading.Lock()  # one request in flight; requests from any thread
         self._proc: subprocess.Popen | None = None
         self._policies: list[str] | None = None
@@ -100,7 +103,7 @@ class PlannerProcess:
         # the planner is small and single-threaded work: leave the cores to the serving process
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("MKL_NUM_THREADS", "1")
-        for name, value in MALLOC_SETTINGS.items():  # plans without page faults (see the docstring)
+        for name, value in self._malloc.items():  # plans without page faults (see the docstring)
             env.setdefault(name, value)
         # the child imports this very eplb, even when it was put on sys.path by hand
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

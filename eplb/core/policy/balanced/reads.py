@@ -104,8 +104,10 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     top = sums.max(1)  # [R]
     base_tok = gpu_sums(lam_s, m).max(1)  # [R] the busiest GPU's tokens
 
-    def expert_cost(rows: np.ndarray) -> np.ndarray:  # [R'] -> [R', n] one slot's cost of each expert
-        return lam[layer[rows]] + read_tokens * expected_tiles(lam[layer[rows]], tile_rows)
+    def expert_cost(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[R'] -> ([R', n], [R', n]): one slot's cost and tokens of each expert."""
+        lam_r = lam[layer[rows]]  # [R', n]
+        return lam_r + read_tokens * expected_tiles(lam_r, tile_rows), lam_r
     # swaps keep a row's total cost, so no GPU ends below the mean: rows whose costliest GPU
     # is within min_gain of the mean cannot gain enough (most rows when a plan is in force)
     can = cold & (top * (1.0 - min_gain) > sums.mean(1) * (1.0 + REL_EPS))
@@ -120,9 +122,9 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     #    candidate (swaps alone, or DeepSeek's counts first) that gets there in fewer moves
     rows = np.nonzero(can & ~over)[0]
     if rows.size:
-        cost = expert_cost(rows)  # [R', n]
-        new = swap_down(cost, lam[layer[rows]], p2l[rows], m, n, READ_ITERS, dispatch_tokens)  # [R', p]
-        after = objective(cost, lam[layer[rows]], new, m, dispatch_tokens, base_tok[rows])
+        cost, lam_r = expert_cost(rows)  # [R', n] each
+        new = swap_down(cost, lam_r, p2l[rows], m, n, READ_ITERS, dispatch_tokens)  # [R', p]
+        after = objective(cost, lam_r, new, m, dispatch_tokens, base_tok[rows])
         keep = after < top[rows] * (1.0 - min_gain)
         out[rows[keep]] = new[keep]
     rows = np.nonzero(over)[0]
@@ -144,8 +146,8 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
         best, best_after, best_moves = p2l[rows], top[rows], np.zeros(rows.size, dtype=np.int64)
         lr = layer[rows]  # [R'] (the rows are whole layers here)
         for i, start in enumerate(cands):  # the first keeps its counts: its costs are known
-            cs, ls = (expert_cost(rows), lam[lr]) if i == 0 else per_slot(lam_e[lr], counts_of(start, n),
-                                                                          read_tokens, tile_rows)
+            cs, ls = expert_cost(rows) if i == 0 else per_slot(lam_e[lr], counts_of(start, n), read_tokens,
+                                                               tile_rows)
             new = swap_down(cs, ls, start, m, n, READ_ITERS, price, target, cap)
             after = objective(cs, ls, new, m, price, cap)
             moves = (new != p2l[rows]).sum(1)

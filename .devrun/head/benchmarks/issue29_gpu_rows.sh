@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issue 29 on one GPU, row by row: `--cost gpu` replays of chosen configurations from plans
+# made beforehand (`benchmarks/issue29.py --plan-only`), each under its own time limit, so a
+# slow row cannot take the ones after it down, and everything packed into ONE archive (a
+# device that returns few files keeps every row's json and GEMM timings).
+#
+#   OUT=/dir PLANS=/plans SHARED=/traces/npy bash benchmarks/issue29_gpu_rows.sh SPEC [SPEC ...]
+#
+# SPEC is EP:PRESET:TRACE[:SECONDS[:EXTRA]], e.g. 64:prefill:esft:150 or
+# 8:decode:olmoe:120:--retime=1 (EXTRA: issue29.py flags, commas for spaces). Rows run in
+# the order given; SECONDS (default 180) is the row's limit (a row cut by it keeps what
+# it scored: nothing, or its GEMM timings). Writes $OUT/rows.log (every row's result line
+# and exit code) and $OUT/rows.tgz (each row's folder: issue29.json, gemms.json(.gz),
+# rounds.json, its log). MODEL (default deepseek-v3) and PYTHON (default python3) can be set.
+set -u
+OUT=${OUT:?set OUT to the output folder}
+PLANS=${PLANS:?set PLANS to the folder of plans made by issue29.py --plan-only}
+SHARED=${SHARED:-$( [ -d ../shared/traces/npy ] && echo ../shared/traces/npy || echo shared/traces/npy )}
+MODEL=${MODEL:-deepseek-v3}
+PY=${PYTHON:-python3}
+[ $# -gt 0 ] || { echo "usage: OUT=... PLANS=... bash $0 EP:PRESET:TRACE[:SECONDS[:EXTRA]] ..." >&2; exit 2; }
+cd "$(dirname "$0")/.."
+WORK=$(mktemp -d)
+mkdir -p "$OUT"
+: > "$OUT/rows.log"
+for spec in "$@"; do
+    IFS=: read -r ep preset trace seconds extra <<< "$spec"
+    if [ -z "$ep" ] || [ -z "$preset" ] || [ -z "$trace" ]; then
+        echo "bad SPEC '$spec': want EP:PRESET:TRACE[:SECONDS[:EXTRA]]" | tee -a "$OUT/rows.log" >&2
+        continue
+    fi
+    seconds=${seconds:-180}
+    name="ep${ep}-${preset}-${trace}"
+    mkdir -p "$WORK/$name"
+    # shellcheck disable=SC2086 # EXTRA is split on purpose
+    timeout "$seconds" "$PY" benchmarks/issue29.py --cost gpu --plans "$PLANS" --ep "$ep" --models "$MODEL" \
+        --presets "$preset" --traces "$trace" --shared "$SHARED" --out "$WORK/$name" ${extra//,/ } \
+        > "$WORK/$name/log.txt" 2>&1
+    rc=$?
+    line=$(grep "default/deepseek" "$WORK/$name/log.txt" | tail -1)
+    echo "$name rc $rc ${line:-(no row scored)}" | tee -a "$OUT/rows.log"
+done
+find "$WORK" -name gemms.json -exec gzip -f {} \;
+tar czf "$OUT/rows.tgz" -C "$WORK" .
+rm -rf "$WORK"
+echo "rows: $OUT/rows.log, archive: $OUT/rows.tgz" >&2

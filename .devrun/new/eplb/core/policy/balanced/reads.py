@@ -1,0 +1,336 @@
+"""Decode-aware packing: count the weight reads of lightly loaded slots.
+
+A GPU's expert work is a grouped GEMM over its local slots. A slot reads its expert's
+weights once per tile of `tile_rows` of its tokens in a step (none when it gets none); in
+decode (few tokens per step) a read costs as much as computing many tokens, the slots of
+cold experts are often empty, and a hot slot just above a tile's rows reads twice.
+Balancing tokens alone can then give one GPU more reads than another: it is the slowest
+(issue 29).
+
+In token units, a slot with an expected `lam` tokens per step (Poisson, X) costs
+
+    lam + read_tokens * E[ceil(X / tile_rows)]    # tokens, plus a read per tile
+                                                 # (tile_rows 0: P(X >= 1), one read)
+
+and this pass lowers the largest per-GPU sum of that cost by swapping slots between the
+costliest GPU and the others, one pair of slots at a time. Replica counts and node
+locality do not change. A GPU's tokens also set its share of the dispatch and combine
+all-to-all, which reads do not enter: raising the row's busiest GPU tokens by one costs
+`dispatch_tokens` (inf: the pass never raises them), so the pass does not make the
+exchange slower by more than it makes the GEMMs faster. A row keeps the result only when
+this objective (`objective`) falls by more than `min_gain` (relative): each swap is two
+copies. With `tile_rows` 0 and every slot expecting at least `WARM_TOKENS` tokens per step
+the read term is the same on every GPU (every slot reads once) and the pass does nothing.
+
+Kept layouts keep the replica counts they started from (those of the start-up placement,
+at first), which token balance cannot tell apart and reads can: a row costlier than a
+fresh plan of the same load, DeepSeek's replica counts packed for tokens
+(`fresh_reference`, `layer_cost`), catches up with it, through those counts when that
+moves less (`spread_reads`). The runtime's defaults (`EplbConfig.read_tokens`, `dispatch_tokens`,
+`tile_rows`) and what they were measured against: benchmarks/README.md, issue 29 ("Target
+3 ... on by default" and 2026-12-04).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from eplb.core.policy.base import DEFAULT_TILE_ROWS
+from eplb.core.policy.balanced.moves import transition
+from eplb.core.policy.balanced.packing import pack, repair_duplicates
+from eplb.core.policy.balanced.refinement import improve_max
+from eplb.core.policy.balanced.replicas import replica_counts
+from eplb.core.policy.balanced.rows import REL_EPS, counts_of, gpu_sums, presence
+
+WARM_TOKENS = 8.0  # a slot expecting this many tokens per step is empty with p < 0.04%
+# a row costlier than the fresh reference catches up with it pricing a token more on its
+# busiest GPU at one token of work (not `dispatch_tokens`): the reference's own cost counts
+# its tokens at that price (benchmarks/README.md, issue 29, 2026-12-04)
+CATCH_UP_DISPATCH_TOKENS = 1.0
+READ_ITERS = 200  # most swaps per row (the search stops earlier when no swap gains)
+SWAP_MIN_GAIN = 1e-4  # a swap must lower the costliest GPU by this fraction of the mean GPU cost
+EXCLUDED = 1e300  # swap_down: what an excluded swap adds to its score (a few still sum below inf)
+
+
+def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, read_tokens: float,
+                 rows_per_layer: int = 1, min_gain: float = 0.0,
+                 dispatch_tokens: float = np.inf, tile_rows: float = DEFAULT_TILE_ROWS,
+                 reference: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """The decode-aware pass over a plan.
+
+    w [L, n] loads of each layer; p2l [L * rows_per_layer, p] the plan's rows (with nodes:
+    one row per (layer, node), `m` GPUs each); step_choices: token-expert choices per step
+    and layer over all GPUs (tokens x top_k); read_tokens: the cost of one weight read in
+    tokens; tile_rows: the rows of one GEMM tile, each of which reads the weights again
+    (0: one read per non-empty slot). Rows are improved by swaps when that lowers their
+    largest GPU cost by more than `min_gain` (relative).
+
+    reference (cost [L], tokens [L]): the largest GPU cost and the busiest GPU's tokens of
+    a fresh plan of each layer (`fresh_reference`, `layer_cost`). A row costlier than its
+    layer's reference cost is brought down to it whatever `min_gain` says, by whichever of
+    two candidates gets there with fewer moves: swaps alone, or (one row per layer) first
+    the move to DeepSeek's replica counts with one copy per changed count
+    (`moves.transition`) and the tokens re-balanced, then swaps; its busiest GPU's tokens
+    may then rise to the reference's, and beyond at `CATCH_UP_DISPATCH_TOKENS` per token
+    (never with `dispatch_tokens` inf). Kept layouts otherwise keep the replica counts
+    they started from, which token balance cannot tell apart but tiles can
+    (benchmarks/README.md, issue 29).
+    Returns the rows with the lowest largest GPU cost found."""
+    if read_tokens <= 0 or step_choices <= 0 or m < 2:
+        return p2l
+    L, n = w.shape
+    R, p = p2l.shape
+    layer = np.arange(R) // rows_per_layer  # [R] the layer of each row
+    total = w.sum(1)[layer]  # [R] the layer's load
+    # per layer, not per row: a layer's rows (nodes) hold disjoint experts, so a layer's
+    # replica counts are those of the row holding the expert, and a row only ever reads its
+    # own experts' entries below ([L, n] arrays, not [R, n]: 4x smaller at 4 nodes)
+    lam_e = expert_tokens(w, step_choices)  # [L, n] tokens per step of each expert
+    lam = lam_e / np.maximum(counts_of(p2l.reshape(L, -1), n), 1)  # [L, n] ... on one slot of it
+    r = layer[:, None]  # [R, 1] a row's entries of the [L, n] arrays
+    # rows whose every slot reads anyway (each expects WARM_TOKENS or more) are left to the
+    # token balance, tiles or not: their reads differ from GPU to GPU by the rounding of
+    # tiles at most, and searching every warm row costs tens of ms at the DeepSeek-V3 shape.
+    # Only the catch-up with the reference looks at every row
+    lam_s = lam[r, p2l]  # [R, p] tokens per step of each slot
+    cold = (lam_s < WARM_TOKENS).any(1)  # [R]
+    look = np.flatnonzero(cold) if reference is None else np.arange(R)  # [R'] rows costed
+    if not look.size:
+        return p2l
+    # a slot's cost is that of one slot of its expert, so it is costed per slot here (p of
+    # them a row, not n), and per expert only for the rows searched below (`expert_cost`)
+    sums = np.zeros((R, m))
+    sums[look] = gpu_sums(lam_s[look] + read_tokens * expected_tiles(lam_s[look], tile_rows), m)  # [R', m]
+    top = sums.max(1)  # [R]
+    base_tok = gpu_sums(lam_s, m).max(1)  # [R] the busiest GPU's tokens
+
+    def expert_cost(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[R'] -> ([R', n], [R', n]): one slot's cost and tokens of each expert."""
+        lam_r = lam[layer[rows]]  # [R', n]
+        return lam_r + read_tokens * expected_tiles(lam_r, tile_rows), lam_r
+    # swaps keep a row's total cost, so no GPU ends below the mean: rows whose costliest GPU
+    # is within min_gain of the mean cannot gain enough (most rows when a plan is in force)
+    can = cold & (top * (1.0 - min_gain) > sums.mean(1) * (1.0 + REL_EPS))
+    out = p2l.copy()
+    over = np.zeros(R, dtype=bool)
+    if reference is not None:
+        ref_cost, ref_tok = reference[0][layer], reference[1][layer]  # [R]
+        over = top > ref_cost * (1.0 + REL_EPS)  # costlier than the fresh reference
+    # two kinds of rows, each with its own rule for keeping the result:
+    # 1. within the reference (or without one): swaps alone, kept when they gain min_gain;
+    # 2. costlier than the reference: brought down to it, whatever min_gain, by the
+    #    candidate (swaps alone, or DeepSeek's counts first) that gets there in fewer moves
+    rows = np.nonzero(can & ~over)[0]
+    if rows.size:
+        cost, lam_r = expert_cost(rows)  # [R', n] each
+        new = swap_down(cost, lam_r, p2l[rows], m, n, READ_ITERS, dispatch_tokens)  # [R', p]
+        after = objective(cost, lam_r, new, m, dispatch_tokens, base_tok[rows])
+        keep = after < top[rows] * (1.0 - min_gain)
+        out[rows[keep]] = new[keep]
+    rows = np.nonzero(over)[0]
+    if rows.size:
+        # the busiest GPU's tokens may rise to the reference's, then at the lower of the two
+        # prices; dispatch_tokens inf: never
+        price = min(dispatch_tokens, CATCH_UP_DISPATCH_TOKENS)
+        cap = base_tok[rows] if np.isinf(price) else np.maximum(base_tok[rows], ref_tok[rows])  # [R']
+        target = ref_cost[rows]  # [R']
+        cands = [p2l[rows]]
+        if rows_per_layer == 1:  # the row holds every expert: DeepSeek's counts are the row's
+            wr = w[rows]
+            moved = transition(wr, p2l[rows], replica_counts(wr, p, m), m)
+            # the copies land where the surplus replicas were: re-balance the tokens first
+            # (max-GPU moves to the token cap, in load units)
+            moved, _ = improve_max(wr, moved, m, m, budget=READ_ITERS, target=cap * total[rows] / step_choices,
+                                   fix=True)
+            cands.append(moved)
+        best, best_after, best_moves = p2l[rows], top[rows], np.zeros(rows.size, dtype=np.int64)
+        lr = layer[rows]  # [R'] (the rows are whole layers here)
+        for i, start in enumerate(cands):  # the first keeps its counts: its costs are known
+            cs, ls = expert_cost(rows) if i == 0 else per_slot(lam_e[lr], counts_of(start, n), read_tokens,
+                                                               tile_rows)
+            new = swap_down(cs, ls, start, m, n, READ_ITERS, price, target, cap)
+            after = objective(cs, ls, new, m, price, cap)
+            moves = (new != p2l[rows]).sum(1)
+            # the first to reach the target with fewer moves; while none does, the lower cost
+            done, was = after <= target * (1.0 + REL_EPS), best_after <= target * (1.0 + REL_EPS)
+            better = np.where(done & was, moves < best_moves, (done & ~was) | (~was & (after < best_after)))
+            best = np.where(better[:, None], new, best)
+            best_after = np.where(better, after, best_after)
+            best_moves = np.where(better, moves, best_moves)
+        keep = best_after < top[rows] * (1.0 - REL_EPS)
+        out[rows[keep]] = best[keep]
+    return out
+
+
+def fresh_reference(w: np.ndarray, p: int, m: int) -> np.ndarray:
+    """p2l [L, p]: DeepSeek's replica counts (`replica_counts`) packed afresh for tokens
+    (`pack`, duplicates repaired), the fresh plan a kept layout's cost is held against. It
+    stands for DeepSeek's own plan (the same counts, a token-balancing packing) at the
+    cost of a packing: DeepSeek's code takes 20-110 ms at the DeepSeek-V3 shape."""
+    return repair_duplicates(w, pack(w, replica_counts(w, p, m), m), m)
+
+
+def layer_cost(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, read_tokens: float,
+               tile_rows: float = DEFAULT_TILE_ROWS) -> tuple[np.ndarray, np.ndarray]:
+    """(cost [L], tokens [L]): the largest GPU cost (tokens plus weight reads, as the pass
+    counts them) and the busiest GPU's tokens per step of each layer's placement p2l [L, P]
+    on m GPUs, for loads w [L, n]."""
+    cost, lam = per_slot(expert_tokens(w, step_choices), counts_of(p2l, w.shape[1]), read_tokens,
+                         tile_rows)  # [L, n]
+    r = np.arange(len(p2l))[:, None]
+    return gpu_sums(cost[r, p2l], m).max(1), gpu_sums(lam[r, p2l], m).max(1)
+
+
+def expert_tokens(w: np.ndarray, step_choices: float) -> np.ndarray:
+    """[L, n] tokens per step of each expert: its share of its layer's load w [L, n] of the
+    `step_choices` token-expert choices (0 for an all-zero layer)."""
+    total = w.sum(1, keepdims=True)  # [L, 1]
+    return np.divide(w * step_choices, total, out=np.zeros(w.shape), where=total > 0)
+
+
+def expected_tiles(lam: np.ndarray, tile_rows: float) -> np.ndarray:
+    """E[ceil(X / tile_rows)] for X ~ Poisson(lam): the weight reads of a slot expecting
+    `lam` tokens per step, one per tile of `tile_rows` rows (0: one per non-empty slot,
+    P(X >= 1)). The tiles past the first, P(X > k tile_rows) for k >= 1, use the normal
+    approximation of the Poisson tail (with continuity correction), close where it matters
+    (lam near a multiple of tile_rows, tens of tokens or more); terms more than `_TAIL`
+    standard deviations away are 1 or 0, so only the few in between are computed."""
+    out = -np.expm1(-lam)  # P(X >= 1)
+    if tile_rows <= 0 or lam.size == 0:
+        return out
+    sd = np.sqrt(lam)
+    i = np.flatnonzero(lam + _TAIL * sd + 0.5 >= tile_rows)  # slots that may need a second tile
+    if i.size == 0:
+        return out
+    li, si = lam.flat[i], sd.flat[i]
+    first = np.maximum(1, np.floor((li - _TAIL * si - 0.5) / tile_rows) + 1)  # [K] first k not surely 1
+    last = np.floor((li + _TAIL * si) / tile_rows)  # [K] last k not surely 0
+    extra = first - 1  # the terms that are 1
+    for j in range(int((last - first).max()) + 1):
+        k = first + j
+        on = k <= last
+        extra += np.where(on, 0.5 * erfc((k * tile_rows + 0.5 - li) / (np.sqrt(2.0) * np.maximum(si, 1e-12))), 0.0)
+    out.flat[i] += extra
+    return out
+
+
+_TAIL = 8.0  # expected_tiles: standard deviations beyond which a tile's term is 0 or 1
+
+
+def erfc(x: np.ndarray) -> np.ndarray:
+    """The complementary error function, elementwise (numpy has none): torch's
+    `special.erfc` on a float64 copy of x (correct to double precision)."""
+    return torch.special.erfc(torch.from_numpy(np.array(x, dtype=np.float64))).numpy()
+
+
+def per_slot(lam_e: np.ndarray, c: np.ndarray, read_tokens: float, tile_rows: float):
+    """(cost, tokens) [R, n] of one slot of each expert with `c` replicas: tokens per step
+    `lam_e / c` plus `read_tokens` per expected weight read (`expected_tiles`)."""
+    lam = lam_e / np.maximum(c, 1)
+    return lam + read_tokens * expected_tiles(lam, tile_rows), lam
+
+
+def objective(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int,
+              dispatch_tokens: float, base_tokens: np.ndarray | None = None) -> np.ndarray:
+    """[R] what the pass lowers: the largest per-GPU cost of the rows `p2l [R, p]` (cost,
+    tokens [R, n]: one slot's of each expert), plus `dispatch_tokens` x how far their
+    busiest GPU's tokens exceed `base_tokens [R]` (those of the plan before the pass; inf
+    when they exceed them and dispatch_tokens is inf)."""
+    r = np.arange(p2l.shape[0])[:, None]
+    out = gpu_sums(cost[r, p2l], m).max(1)
+    if base_tokens is None:
+        return out
+    rise = gpu_sums(tokens[r, p2l], m).max(1) - base_tokens * (1 + REL_EPS)
+    if np.isinf(dispatch_tokens):
+        return np.where(rise > 0, np.inf, out)
+    return out + dispatch_tokens * np.maximum(rise, 0.0)
+
+
+def swap_down(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int, n: int,
+              iters: int, dispatch_tokens: float = np.inf, target: np.ndarray | None = None,
+              cap: np.ndarray | None = None) -> np.ndarray:
+    """Greedy swaps that lower every row's largest per-GPU cost, all rows at once.
+
+    cost [R, n], tokens [R, n]: one slot's cost and tokens per expert; p2l [R, p]. Each
+    iteration takes the costliest GPU h of every row and applies the one swap of a slot
+    of h with a slot of another GPU g that gives the lowest max(cost h, cost g), among
+    swaps that lower h's cost, put no expert twice on a GPU and keep both GPUs' tokens
+    at most the row's largest GPU tokens so far (`cap`); with a finite `dispatch_tokens`
+    a swap may raise the cap, at that price per token. A swap must gain `SWAP_MIN_GAIN` of
+    the row's mean GPU cost; a row without such a swap is done (nothing else changes it),
+    so each iteration works on the rows still gaining. target [R] (optional): a row stops
+    once its costliest GPU is at or below it; cap [R] (optional): the busiest GPU's tokens
+    to start from (default: those of `p2l`)."""
+    R, p = p2l.shape
+    s = p // m
+    if R == 0 or s == 0:
+        return p2l
+    p2l = p2l.copy()
+    r = np.arange(R)
+    x = cost[r[:, None], p2l].reshape(R, m, s)  # [R, m, s] cost per slot
+    t = tokens[r[:, None], p2l].reshape(R, m, s)  # [R, m, s] tokens per slot
+    load, tok = x.sum(2), t.sum(2)  # [R, m]
+    cap = (tok.max(1) if cap is None else np.maximum(cap, 0.0)) * (1 + REL_EPS)  # [R] no GPU may end above
+    stop = np.zeros(R) if target is None else target * (1 + REL_EPS)  # [R]
+    eps = np.maximum(SWAP_MIN_GAIN * load.mean(1), 1e-300)  # [R]
+    on = presence(p2l, m, n)  # [R, m, n]
+    e3 = p2l.reshape(R, m, s)  # [R, m, s] a view: swaps below update p2l
+    act = r  # rows still gaining
+    # the [A, m, s_h, s_g] work arrays, allocated once (allocating them each iteration took
+    # most of the time); an excluded swap scores EXCLUDED or more instead of inf, so the
+    # exclusions are sums, not masks (masked writes are slow)
+    shape4 = (R, m, s, s)
+    score_buf, d_buf, top_buf = np.empty(shape4), np.empty(shape4), np.empty(shape4)
+    price = EXCLUDED if np.isinf(dispatch_tokens) else dispatch_tokens  # per token over the cap
+    col = (slice(None), None, None, None)  # [A] -> [A, 1, 1, 1]
+    for _ in range(iters):
+        if act.size == 0:
+            break
+        A = act.size
+        ra = np.arange(A)
+        X, T, E, LD, TK = x[act], t[act], e3[act], load[act], tok[act]  # [A, m, s], [A, m]
+        h = LD.argmax(1)  # [A] costliest GPU
+        xh, th, eh = X[ra, h], T[ra, h], E[ra, h]  # [A, s]
+        score, d, top = score_buf[:A], d_buf[:A], top_buf[:A]  # [A, m, s_h, s_g]
+        np.subtract(xh[:, None, :, None], X[:, :, None, :], out=d)  # the cost h sheds
+        np.subtract(LD[ra, h][col], d, out=score)  # h's cost after the swap
+        np.add(LD[:, :, None, None], d, out=top)  # g's cost after the swap
+        np.maximum(score, top, out=score)
+        # a swap must make h cheaper by eps: one that does not scores at least h's cost less
+        # eps, so it never passes `gain` below and never beats one that does
+        np.subtract(th[:, None, :, None], T[:, :, None, :], out=d)  # the tokens h sheds
+        np.subtract(TK[ra, h][col], d, out=top)
+        np.add(TK[:, :, None, None], d, out=d)
+        np.maximum(top, d, out=top)  # the pair's larger GPU tokens after the swap
+        np.subtract(top, cap[act][col], out=top)  # above the row's cap: priced (or excluded)
+        np.maximum(top, 0.0, out=top)
+        top *= price
+        score += top
+        a3 = act[:, None, None]
+        no_g = on[a3, np.arange(m)[None, :, None], eh[:, None, :]] * EXCLUDED  # [A, m, s_h] h's expert on g
+        no_g[ra, h] = EXCLUDED  # not with itself
+        score += no_g[..., None]
+        score += (on[a3, h[:, None, None], E] * EXCLUDED)[:, :, None, :]  # g's expert on h
+        score = score.reshape(A, -1)  # [A, m * s * s]
+        best = score.argmin(1)  # [A] first of the ties: deterministic
+        gain = score[ra, best] < LD[ra, h] - eps[act]
+        act = act[gain]  # a row without a gain now never has one: nothing else changes it
+        if act.size == 0:
+            break
+        rr = act
+        g, rest = np.divmod(best[gain], s * s)
+        u, v = np.divmod(rest, s)  # slot u of h, slot v of g
+        hh = h[gain]
+        a, b = e3[rr, hh, u].copy(), e3[rr, g, v].copy()  # experts
+        on[rr, hh, a], on[rr, g, b] = False, False
+        on[rr, hh, b], on[rr, g, a] = True, True
+        e3[rr, hh, u], e3[rr, g, v] = b, a
+        xa, xb, ta, tb = x[rr, hh, u].copy(), x[rr, g, v].copy(), t[rr, hh, u].copy(), t[rr, g, v].copy()
+        x[rr, hh, u], x[rr, g, v], t[rr, hh, u], t[rr, g, v] = xb, xa, tb, ta
+        load[rr, hh] += xb - xa
+        load[rr, g] += xa - xb
+        tok[rr, hh] += tb - ta
+        tok[rr, g] += ta - tb
+        cap[rr] = np.maximum(cap[rr], np.maximum(tok[rr, hh], tok[rr, g]))
+        act = act[load[act].max(1) > stop[act]]  # rows at their target are done
+    return p2l
