@@ -9,7 +9,8 @@ spare slot per GPU, decode 128 and prefill 4,096 tokens per GPU) over:
 - the shared traces of benchmarks/scale.py (`esft`, `olmoe`) on DeepSeek-V3 and Qwen3-235B
   shapes (64-expert traces stacked to 256 and 128 experts; Qwen3 up to EP 128);
 - synthetic families (256 experts, 4 layers, 40 steps, each step 2**17 token-expert
-  choices per layer drawn from the step's shares, fixed seeds):
+  choices per layer drawn from the step's shares, seed 29;
+  `--family-seed` draws other members of the families):
   `shift-zipf` (Zipf 1.0 popularity whose expert order is redrawn every 8 steps: a domain
   change at every second rebalance), `shift-lognormal` (lognormal(0, 1), redrawn every 12
   steps: shifts between rebalances), `steady-lognormal` (lognormal(0, 1), fixed),
@@ -73,9 +74,13 @@ def _sample(shares: np.ndarray, rng: np.random.Generator, choices: int = 2 ** 17
     return out
 
 
-def synthetic(T: int = 40, L: int = 4, N: int = 256) -> dict[str, np.ndarray]:
-    """name -> [T, L, N] counts (see the module docstring)."""
-    rng = np.random.default_rng(29)
+FAMILY_SEED = 29  # the synthetic families' draws unless --family-seed says otherwise
+
+
+def synthetic(T: int = 40, L: int = 4, N: int = 256, seed: int = FAMILY_SEED) -> dict[str, np.ndarray]:
+    """name -> [T, L, N] counts (see the module docstring); `seed` draws other members of
+    the same families (profiles, shift times' new orders and token samples)."""
+    rng = np.random.default_rng(seed)
 
     def zipf() -> np.ndarray:  # [L, N]
         return 1.0 / (np.argsort(rng.random((L, N)), 1) + 1.0)
@@ -95,7 +100,8 @@ def synthetic(T: int = 40, L: int = 4, N: int = 256) -> dict[str, np.ndarray]:
 
 def _plan_file(plans: Path, model: str, name: str, M: int, shift: float, preset: str) -> Path:
     r, d = READS
-    return plans / f"{model}-{name}-M{M}-{preset}-shift{shift:g}-ci{CONTROL[0]}-r{r:g}-d{d:g}-s{STEADY[0]}.npz"
+    draw = "" if FAMILIES[0] == FAMILY_SEED or name not in SYNTHETIC else f"-f{FAMILIES[0]}"
+    return plans / f"{model}-{name}{draw}-M{M}-{preset}-shift{shift:g}-ci{CONTROL[0]}-r{r:g}-d{d:g}-s{STEADY[0]}.npz"
 
 
 def _plans(model: str, name: str, M: int, shift: float, plans: Path | None, preset: str):
@@ -186,12 +192,14 @@ READS = [EplbConfig.read_tokens, EplbConfig.dispatch_tokens]  # --read-tokens, -
 STEADY = [EplbConfig.steady_windows]  # --steady-windows
 RETIME = [0]  # --retime: rounds of side-by-side GEMM timing (--cost gpu)
 MEASURED = [4]  # --max-measured: GPUs per layer whose GEMM is timed (--cost gpu)
+FAMILIES = [FAMILY_SEED]  # --family-seed: the synthetic families' draws
+SYNTHETIC = ("shift-zipf", "shift-lognormal", "steady-lognormal", "drift")
 
 
 def _all_loads() -> dict[str, np.ndarray]:
     if not _LOADS:
         _LOADS.update(shared_traces(SHARED_DIR[0]))
-        _LOADS.update(synthetic())
+        _LOADS.update(synthetic(seed=FAMILIES[0]))
     return _LOADS
 
 
@@ -221,7 +229,7 @@ def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path
            "control_interval": CONTROL[0], "read_tokens": READS[0], "dispatch_tokens": READS[1],
            "steady_windows": STEADY[0], "retime_rounds": RETIME[0] if cost_kind == "gpu" else 0,
            "max_measured": MEASURED[0] if cost_kind == "gpu" else 0,
-           "counts": counts, "seed": seed, "rows": []}
+           "counts": counts, "seed": seed, "family_seed": FAMILIES[0], "rows": []}
     out.mkdir(parents=True, exist_ok=True)
     costs = {}
     try:  # a run cut short (timeout's SIGTERM: see main) still writes the GEMMs it timed
@@ -369,6 +377,9 @@ def main() -> None:
                     help=f"--cost gpu: the most GPUs per layer whose GEMM is timed, those with the largest "
                          f"estimates (default {MEASURED[0]}; the EP size: every GPU, no estimate left)")
     ap.add_argument("--seed", type=int, default=0, help="--counts poisson: the draws' seed")
+    ap.add_argument("--family-seed", type=int, default=FAMILY_SEED,
+                    help=f"the synthetic families' random draws (default {FAMILY_SEED}; others: other "
+                         f"members of the same families, to check that no result rests on one draw)")
     ap.add_argument("--presets", default=",".join(TOKEN_PRESETS),
                     help=f"token presets to run (default {','.join(TOKEN_PRESETS)})")
     a = ap.parse_args()
@@ -380,6 +391,7 @@ def main() -> None:
         ap.error(f"--retime must be >= 0 and --max-measured >= 1 (got {a.retime}, {a.max_measured})")
     RETIME[0] = a.retime
     MEASURED[0] = a.max_measured
+    FAMILIES[0] = a.family_seed
     eps, models, names = [int(x) for x in a.ep.split(",")], a.models.split(","), a.traces.split(",")
     presets = a.presets.split(",")
     if unknown := [p for p in presets if p not in TOKEN_PRESETS]:

@@ -546,6 +546,33 @@ def test_bench_issue29_ratios_and_plan_cache(tmp_path):
     assert decode["rows"][0]["tokens_per_s"] == direct["rows"][0]["tokens_per_s"]
 
 
+def test_bench_issue29_family_seed_draws_other_members(tmp_path, monkeypatch):
+    """benchmarks/issue29.py --family-seed: other draws of every synthetic family (the same
+    shapes and token totals), plan files of their own, and the default seed's files named
+    as before (so existing plan caches stay valid)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import issue29
+
+    base, other = issue29.synthetic(), issue29.synthetic(seed=30)
+    assert set(base) == set(other) == set(issue29.SYNTHETIC)
+    for name in issue29.SYNTHETIC:
+        assert base[name].shape == other[name].shape == (40, 4, 256)
+        assert np.all(base[name].sum(-1) == 2 ** 17) and np.all(other[name].sum(-1) == 2 ** 17)
+        assert not np.array_equal(base[name], other[name])
+    assert np.array_equal(base["drift"], issue29.synthetic(seed=issue29.FAMILY_SEED)["drift"])
+    names = {}
+    for seed in (issue29.FAMILY_SEED, 30):
+        monkeypatch.setattr(issue29, "FAMILIES", [seed])
+        names[seed] = [issue29._plan_file(tmp_path, "deepseek-v3", t, 8, 0.05, "decode").name
+                       for t in ("shift-zipf", "esft")]
+    assert names[issue29.FAMILY_SEED][0].startswith("deepseek-v3-shift-zipf-M8-decode-")
+    assert names[30][0].startswith("deepseek-v3-shift-zipf-f30-M8-decode-")
+    assert names[30][1] == names[issue29.FAMILY_SEED][1]  # a shared trace is no draw
+    monkeypatch.setattr(issue29, "_LOADS", {})  # the loads are drawn again with the seed
+    monkeypatch.setattr(issue29, "FAMILIES", [30])
+    assert np.array_equal(issue29._all_loads()["shift-zipf"], other["shift-zipf"])
+
+
 def test_cli_read_tokens_reaches_the_plans(tmp_path, capsys):
     """`--read-tokens` (decode-aware packing) is set against each EP size's token-expert
     choices per step, shown in the header, and changes the default's plans; without
