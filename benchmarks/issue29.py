@@ -272,6 +272,8 @@ def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path
                        "noshift/deepseek": r0["default"].tokens_per_s / tps["deepseek"],
                        "noshift/oracle": r0["default"].tokens_per_s / tps["oracle"],
                        "moves_per_rebalance": _moves(blocks), "moves_per_rebalance_noshift": _moves(blocks0),
+                       "moves_total": _moves(blocks, total=True), "moves_total_noshift": _moves(blocks0, total=True),
+                       "skipped_rebalances": sum(b.record.skipped for b in blocks if b.record),
                        "early_rebalances": sum(b.record.early for b in blocks if b.record),
                        "shifted_plans": sum(b.record.shifted for b in blocks if b.record),
                        "plan_s": round(t_plan, 1), "score_s": round(time.perf_counter() - t0 - t_plan, 1)}
@@ -288,7 +290,8 @@ def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path
                       f"{row['default/deepseek']:.4f}{spread} (no shift {row['noshift/deepseek']:.3f})  "
                       f"default/oracle {row['default/oracle']:.3f} (no shift {row['noshift/oracle']:.3f})  "
                       f"moves/rebalance {row['moves_per_rebalance']:.1f} (no shift "
-                      f"{row['moves_per_rebalance_noshift']:.1f}), early {row['early_rebalances']}, "
+                      f"{row['moves_per_rebalance_noshift']:.1f}; in all {row['moves_total']:.0f}, no shift "
+                      f"{row['moves_total_noshift']:.0f}), early {row['early_rebalances']}, "
                       f"shifted {row['shifted_plans']}, scored in {row['score_s']:.0f} s", flush=True)
                 (out / "issue29.json").write_text(json.dumps(doc) + "\n")  # after every row: partial runs keep theirs
     finally:
@@ -338,9 +341,13 @@ def _ratio(rows: dict, which: str) -> float:
     return num.tokens_per_s / rows["shift"][b].tokens_per_s
 
 
-def _moves(blocks) -> float:
-    """Mean remote expert receives per rebalance that moved something."""
+def _moves(blocks, total: bool = False) -> float:
+    """Mean remote expert receives per rebalance that moved something (a skipped rebalance,
+    one whose plan kept the placement, is not counted); with `total`, their sum over the
+    replay (what a load's rebalances move in all, skipped ones included as 0)."""
     moved = [b.record.experts_moved for b in blocks if b.record and not b.record.skipped]
+    if total:
+        return float(np.sum(moved))
     return float(np.mean(moved)) if moved else 0.0
 
 

@@ -534,6 +534,12 @@ def test_bench_issue29_ratios_and_plan_cache(tmp_path):
         issue29._plans("deepseek-v3", "shift-zipf", 8, 0.05, tmp_path / "plans", preset)
     read_back = issue29._plans("deepseek-v3", "shift-zipf", 8, 0.05, tmp_path / "plans", "decode")
     assert any(b.lead > 0 for b in read_back["shift"][1]["default"])  # checks within a step, kept
+    for label, key in (("shift", "moves_total"), ("noshift", "moves_total_noshift")):  # every rebalance's moves
+        records = [b.record for b in read_back[label][1]["default"] if b.record is not None]
+        assert direct["rows"][0][key] == sum(r.experts_moved for r in records) > 0
+    executed = [r for r in records if not r.skipped]  # (no shift) the mean is over those that moved
+    assert direct["rows"][0]["moves_per_rebalance_noshift"] == pytest.approx(
+        sum(r.experts_moved for r in executed) / len(executed))
     cached = issue29.run("analytic", tmp_path / "b", 0.05, [8], ["deepseek-v3"], ["shift-zipf"],
                          plans=tmp_path / "plans")
     for a, b in zip(direct["rows"], cached["rows"]):
