@@ -101,7 +101,8 @@ def synthetic(T: int = 40, L: int = 4, N: int = 256, seed: int = FAMILY_SEED) ->
 def _plan_file(plans: Path, model: str, name: str, M: int, shift: float, preset: str) -> Path:
     r, d = READS
     draw = "" if FAMILIES[0] == FAMILY_SEED or name not in SYNTHETIC else f"-f{FAMILIES[0]}"
-    return plans / f"{model}-{name}{draw}-M{M}-{preset}-shift{shift:g}-ci{CONTROL[0]}-r{r:g}-d{d:g}-s{STEADY[0]}.npz"
+    return plans / (f"{model}-{name}{draw}-M{M}-{preset}-shift{shift:g}-ci{CONTROL[0]}-r{r:g}-d{d:g}-s{STEADY[0]}"
+                    f"-t{int(TREND[0])}.npz")
 
 
 def _plans(model: str, name: str, M: int, shift: float, plans: Path | None, preset: str):
@@ -130,7 +131,7 @@ def _opts(threshold: float, M: int, shape, preset: str) -> PlanOptions:
     (the routing noise of a check, the weight reads), so each preset has its own plans."""
     return PlanOptions(shift_threshold=threshold, control_interval=CONTROL[0],
                        read_tokens=READS[0], dispatch_tokens=READS[1], steady_windows=STEADY[0],
-                       step_choices=float(M * TOKEN_PRESETS[preset] * shape.top_k))
+                       drift_trend=TREND[0], step_choices=float(M * TOKEN_PRESETS[preset] * shape.top_k))
 
 
 def _save(f: Path, out: dict) -> None:
@@ -193,6 +194,7 @@ STEADY = [EplbConfig.steady_windows]  # --steady-windows
 RETIME = [0]  # --retime: rounds of side-by-side GEMM timing (--cost gpu)
 MEASURED = [4]  # --max-measured: GPUs per layer whose GEMM is timed (--cost gpu)
 FAMILIES = [FAMILY_SEED]  # --family-seed: the synthetic families' draws
+TREND = [EplbConfig.drift_trend]  # --drift-trend
 SYNTHETIC = ("shift-zipf", "shift-lognormal", "steady-lognormal", "drift")
 
 
@@ -227,7 +229,8 @@ def run(cost_kind: str, out: Path, shift: float, eps, models, names, plans: Path
     link = LinkModel()
     doc = {"date": datetime.date.today().isoformat(), "cost": cost_kind, "shift_threshold": shift,
            "control_interval": CONTROL[0], "read_tokens": READS[0], "dispatch_tokens": READS[1],
-           "steady_windows": STEADY[0], "retime_rounds": RETIME[0] if cost_kind == "gpu" else 0,
+           "steady_windows": STEADY[0], "drift_trend": TREND[0],
+           "retime_rounds": RETIME[0] if cost_kind == "gpu" else 0,
            "max_measured": MEASURED[0] if cost_kind == "gpu" else 0,
            "counts": counts, "seed": seed, "family_seed": FAMILIES[0], "rows": []}
     out.mkdir(parents=True, exist_ok=True)
@@ -376,6 +379,9 @@ def main() -> None:
     ap.add_argument("--steady-windows", type=int, default=EplbConfig.steady_windows,
                     help=f"earlier windows a plan on a steady load adds (default {EplbConfig.steady_windows}, "
                          f"the runtime's; 0 = the window alone)")
+    ap.add_argument("--drift-trend", choices=("on", "off"), default="on" if EplbConfig.drift_trend else "off",
+                    help="plans on a drifting load use the window's trend where it predicted well "
+                         "(default: the runtime's)")
     ap.add_argument("--retime", type=int, default=0,
                     help="--cost gpu: time every configuration's GEMMs again side by side in this many "
                          "shuffled rounds and score on their medians (each round's ratio is kept: the "
@@ -399,6 +405,7 @@ def main() -> None:
     RETIME[0] = a.retime
     MEASURED[0] = a.max_measured
     FAMILIES[0] = a.family_seed
+    TREND[0] = a.drift_trend == "on"
     eps, models, names = [int(x) for x in a.ep.split(",")], a.models.split(","), a.traces.split(",")
     presets = a.presets.split(",")
     if unknown := [p for p in presets if p not in TOKEN_PRESETS]:

@@ -230,7 +230,7 @@ def test_cli_cost_honours_the_runtime_settings_and_prints_ratios(tmp_path, capsy
     base = cost_cli(trace, "2,4", "2", "64", "--min-gain", "0")
     docs, outs = [], []
     for extra in ([], ["--move-tolerance", "0.5", "--weighted-replicas", "--load-decay", "0.5",
-                       "--shift-threshold", "0", "--steady-windows", "1"]):
+                       "--shift-threshold", "0", "--steady-windows", "1", "--drift-trend", "off"]):
         out = tmp_path / f"s{len(docs)}.json"
         code, stdout, err = run_main(base + extra + ["--json", str(out)], capsys)
         assert code == 0, err
@@ -241,12 +241,12 @@ def test_cli_cost_honours_the_runtime_settings_and_prints_ratios(tmp_path, capsy
     assert ("move tolerance 0.5, weighted replicas on, load decay 0.5, min gain 0, shift threshold 0 (off)"
             in header), header
     assert ("move tolerance 0.03, weighted replicas off, load decay 1, min gain 0, shift threshold 0.05 "
-            "(checked every 10 model steps; steady windows 2)") in outs[0].splitlines()[0]
+            "(checked every 10 model steps; steady windows 2, drift trend on)") in outs[0].splitlines()[0]
     opts = docs[1]["results"][0]["config"]["plan_options"]
     assert opts == {"move_tolerance": 0.5, "weighted": True, "decay": 0.5, "min_gain": 0.0,
                     "shift_threshold": 0.0, "read_tokens": 100.0, "step_choices": 2 * 64 * 2.0,
                     "dispatch_tokens": 40.0, "tile_rows": 128.0, "control_interval": 10,
-                    "steady_windows": 1}  # reads: EplbConfig's, set against EP 2's choices
+                    "steady_windows": 1, "drift_trend": False}  # reads: EplbConfig's, set against EP 2's choices
     # the settings change what default does
     a, b = (d["results"][1]["rows"] for d in docs)
     assert a["default"]["tokens_per_s"] != b["default"]["tokens_per_s"]
@@ -747,7 +747,7 @@ def test_cli_control_interval_reaches_the_replay(tmp_path, capsys):
     out = tmp_path / "c.json"
     code, stdout, err = run_main(base + ["--control-interval", "0", "--json", str(out)], capsys)
     assert code == 0, err
-    assert ("shift threshold 0.05 (no early rebalances: control interval 0; steady windows 2)"
+    assert ("shift threshold 0.05 (no early rebalances: control interval 0; steady windows 2, drift trend on)"
             in stdout.splitlines()[0])
     assert json.loads(out.read_text())["results"][0]["config"]["plan_options"]["control_interval"] == 0
     code, _, err = run_main(base + ["--control-interval", "-1"], capsys)

@@ -310,8 +310,9 @@ def _drifting_trace(tokens: int, seed: int = 5) -> np.ndarray:  # [40, 2, 16] co
 
 
 def test_replay_plans_a_drifting_load_with_tolerance_0_unless_the_window_is_noisy():
-    def records(tokens):
-        r = simulate(_drifting_trace(tokens), 8, 24, 4, 4, min_gain=0.0, shift_threshold=0.05, oracle=False)
+    def records(tokens):  # the drift rule alone: plans on the trend would follow the drift (below)
+        r = simulate(_drifting_trace(tokens), 8, 24, 4, 4, min_gain=0.0, shift_threshold=0.05, oracle=False,
+                     drift_trend=False)
         return r.policies["default"].rebalances
 
     recs = records(20000)

@@ -1,4 +1,4 @@
-"""Issue 29, a prototype not in the planner: on a drifting load, plan on the window's trend.
+"""Issue 29, the prototype of `trend.DriftTrend`: on a drifting load, plan on the window's trend.
 
 A scheduled plan on a drifting load (`planning.drifting`: the plans in force kept falling
 below their predictions by more than the move tolerance and the routing noise) plans on
@@ -10,10 +10,12 @@ rescaled to the window's tokens per layer). Variants:
 
 - `trend`: whenever the drift rule fires (and the plan is not after a shift);
 - `trend-skill`: the same, per layer, only when on the layer's last interval the previous
-  trend prediction was closer (L1 of the shares) to what came than the window was.
+  trend prediction was closer (L1 of the shares) to what came than the window was;
+- `product`: what the planner now does (`EplbConfig.drift_trend`, no patch): the skill
+  gate alone, on every scheduled plan whose window is new, drift rule or not.
 
-The replay (`eplb.core.replay.replay_policy`) is patched here; deepseek and the oracle
-are untouched. Prints default/deepseek (analytic tokens/s, expected counts) per
+`off`, `trend` and `trend-skill` run with `drift_trend` off and the replay
+(`eplb.core.replay.replay_policy`) patched here; deepseek and the oracle are untouched. Prints default/deepseek (analytic tokens/s, expected counts) per
 configuration for the runtime's default and the variants, and how many plans used the
 trend.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -109,7 +112,7 @@ def main() -> None:
     ap.add_argument("--ep", default="8,32,128")
     ap.add_argument("--model", default="deepseek-v3")
     ap.add_argument("--preset", default="decode")
-    ap.add_argument("--variants", default="off,trend,trend-skill")
+    ap.add_argument("--variants", default="off,trend,trend-skill,product")
     ap.add_argument("--shared", type=Path, default=issue29.SHARED)
     a = ap.parse_args()
     issue29.SHARED_DIR[0] = a.shared
@@ -125,10 +128,10 @@ def main() -> None:
                 continue  # a shared trace is no draw: once
             for M in [int(x) for x in a.ep.split(",")]:
                 P = shape.num_experts + M
-                opts = issue29._opts(0.05, M, shape, a.preset)
                 cells = []
                 for variant in a.variants.split(","):
-                    STATE.update(variant=variant, fired=0, plans=0)
+                    STATE.update(variant="off" if variant == "product" else variant, fired=0, plans=0)
+                    opts = replace(issue29._opts(0.05, M, shape, a.preset), drift_trend=variant == "product")
                     kinds = ("deepseek", "default")
                     planned = scale.plan_scale(loads_all[name], shape, M, P, issue29.WINDOW, issue29.INTERVAL,
                                                LinkModel(), kinds, opts=opts)

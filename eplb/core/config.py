@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from eplb.core.policy.base import (DEFAULT_DISPATCH_TOKENS, DEFAULT_MOVE_TOLERANCE, DEFAULT_READ_TOKENS,
                                 DEFAULT_TILE_ROWS)
 from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD, DEFAULT_STEADY_WINDOWS
+from eplb.core.trend import DEFAULT_DRIFT_TREND
 
 TRANSPORTS = ("nccl", "ipc", "auto")
 """Values of `EplbConfig.transport` (how weights travel; eplb.runtime.transports)."""
@@ -78,6 +79,15 @@ class EplbConfig:
     not overlap and are plain sums (`window_size` <= `rebalance_interval`, `load_decay`
     1) and to a plan whose window holds only steps since the previous one; 0 = off (the
     window alone). Measured in benchmarks/README.md (issue 29, 2026-12-04, third)."""
+    drift_trend: bool = DEFAULT_DRIFT_TREND
+    """With shift detection on: a scheduled rebalance (not after a shift) whose window
+    the last plan did not see plans, per layer, on the window's trend (each expert's count
+    extrapolated by least squares to the middle of the `rebalance_interval` the plan will
+    serve) where the trend made at the last rebalance predicted what followed better than
+    that rebalance's window did: a load drifting one way (`eplb.core.trend.DriftTrend`);
+    a steady or jumpy load keeps its window. Plain sums only (`load_decay` 1); the window's
+    age-weighted sum rides in the same all-reduce. False: the window alone. Measured in
+    benchmarks/README.md (issue 29, 2026-12-04, sixth)."""
     read_tokens: float = DEFAULT_READ_TOKENS
     """Decode-aware packing (`eplb.core.policy.balanced.reads`): a slot that gets at least
     one token in a step reads its expert's weights once, which costs as much as this many
@@ -147,7 +157,7 @@ class EplbConfig:
     def verify(self, num_logical_experts: int, num_gpus: int,
                num_physical_experts: int | None = None) -> "EplbConfig":
         """Check against the model and the EP group; return the config with resolved values."""
-        from eplb.core.planning import (check_dispatch_tokens, check_min_gain, check_move_tolerance,
+        from eplb.core.planning import (check_bool, check_dispatch_tokens, check_min_gain, check_move_tolerance,
                                         check_read_tokens, check_steady_windows)
         from eplb.core.policy.registry import available_policies
 
@@ -193,6 +203,7 @@ class EplbConfig:
             raise ValueError(f"zero_load_warn_steps must be an int >= 0 (0 = never warn), "
                              f"got {self.zero_load_warn_steps!r}")
         check_steady_windows(self.steady_windows)
+        check_bool(self.drift_trend, "drift_trend")
         if not isinstance(self.weighted_replicas, bool):
             raise ValueError(f"weighted_replicas must be a bool, got {self.weighted_replicas!r}")
         if not isinstance(self.control_interval, int) or self.control_interval < 0:

@@ -316,6 +316,14 @@ def check_steady_windows(value: Any) -> int:
     return value
 
 
+def check_bool(value: Any, name: str) -> bool:
+    """`value` when it is a bool, else a ValueError naming `name` (0 and 1 are refused: a
+    switch is a bool)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
 def check_move_tolerance(value: Any) -> float:
     """Extra relative imbalance a planner may accept to keep experts in place: a float in
     [0, 10). The one check of `move_tolerance`: EplbConfig.verify, plan() and simulate()

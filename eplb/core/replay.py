@@ -23,6 +23,7 @@ from eplb.core.planning import (DEFAULT_MIN_GAIN, ShiftState, SteadyMemory, drif
                                 sampling_gap, worth_moving)
 from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
 from eplb.core.transfer_plan import transfer_stats
+from eplb.core.trend import DriftTrend
 
 @dataclass(frozen=True)
 class RebalanceRecord:
@@ -134,7 +135,8 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
                   min_gain: float = DEFAULT_MIN_GAIN, bytes_per_expert: int | None = None,
                   progress: Callable[[], None] | None = None,
                   shift_threshold: float = 0.0, check_every: float | None = 1.0,
-                  tokens_per_step: float | None = None, steady_windows: int = 0) -> list[Block]:
+                  tokens_per_step: float | None = None, steady_windows: int = 0,
+                  drift_trend: bool = False) -> list[Block]:
     """Policy `name` replanning at each of `steps` on the last `window` steps of `trace
     [T, L, N]` with the placement in force as `previous` (out of sample); one Block per
     plan, skipped plans (gain below `min_gain`) keeping the placement in force.
@@ -166,7 +168,12 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
     `steady_windows`: shift-aware, a scheduled plan on a steady load (no shift, no drift)
     plans on its window plus up to that many windows of the earlier steady plans
     (`planning.SteadyMemory`, as the runtime's `EplbConfig.steady_windows`); 0: its
-    window alone."""
+    window alone.
+
+    `drift_trend`: shift-aware, a scheduled plan (not after a shift) whose window the last
+    plan did not see plans on the window's trend in the layers where the last trend
+    predicted well (a drifting load: `trend.DriftTrend`, as the runtime's
+    `EplbConfig.drift_trend`; plain sums only, `decay` 1); False: on the window."""
     if check_every is not None and not 0 < check_every <= 1:
         raise ValueError(f"check_every must be in (0, 1] (a share of a step) or None, got {check_every!r}")
     M, P = initial.num_gpus, initial.num_slots
@@ -175,10 +182,12 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
     current, since, state = initial, 0, ShiftState()
     gap = int(np.min(np.diff(steps))) if len(steps) > 1 else window  # the interval between plans
     memory = SteadyMemory(steady_windows if shift_threshold > 0 and SteadyMemory.applies(window, gap, decay) else 0)
+    trend = DriftTrend(on=drift_trend and shift_threshold > 0 and decay == 1.0)
     points = check_points(check_every) if check_every is not None else np.zeros(0)  # [K]
 
-    def plan_at(s: int, load: np.ndarray, shifted: bool, early: bool, lead: float = 0.0) -> None:  # load [L, N]
-        nonlocal current, since, state, memory
+    def plan_at(s: int, load: np.ndarray, shifted: bool, early: bool, lead: float = 0.0,
+                moment: np.ndarray | None = None, steps: int = 0) -> None:  # load, moment [L, N]
+        nonlocal current, since, state, memory, trend
         t0 = time.perf_counter()
         variation = state.variation  # None before any check (shift detection off): no drift rule
         window_noise = 0.0 if variation is None else sampling_gap(current.gpu_loads(load))  # the trace's counts
@@ -186,6 +195,8 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
         tol = plan_tolerance(shifted, tolerance, variation, window_noise)
         steady = not (shifted or early or drifting(tolerance, variation, window_noise))
         load, memory = memory.plan(load, steady)  # [L, N] the window, plus earlier ones when steady
+        # the window's trend, in the layers where the last one predicted well (a drift)
+        load, trend, _ = trend.plan(load, moment, steps, (steps + gap) / 2.0, not (shifted or early))
         planned = plan(load, M, P, policy=name, previous=current, **dict(plan_kwargs, move_tolerance=tol))
         move, gain = worth_moving(current, planned, load, min_gain)
         new = planned if move else current
@@ -231,7 +242,13 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
             got, noise = measured(trace[lo:s].sum(0), s - lo)
             shifted = state.shifted(got, noise, shift_threshold)
             state = state.checked(got, noise, shifted)
-        plan_at(s, window_load(trace, s, window, decay), shifted, early=False)
+        moment, n = None, 0
+        if trend.on and s - window >= since:  # a window the last plan did not see: its trend
+            recent = trace[max(0, s - window):s]  # [n, L, N] oldest first
+            n = len(recent)
+            age = np.arange(n - 1, -1, -1, dtype=np.float64)  # [n] 0 for the newest step
+            moment = np.tensordot(age, recent, 1)  # [L, N] as LoadRecorder.window_load(moment=True)
+        plan_at(s, window_load(trace, s, window, decay), shifted, early=False, moment=moment, steps=n)
         if shift_threshold > 0:
             early_check(s, e)
     ends = [m[0] for m in made[1:]] + [T]

@@ -49,6 +49,7 @@ from eplb.core.config import EplbConfig
 from eplb.core.planning import DEFAULT_SHIFT_THRESHOLD, DEFAULT_STEADY_WINDOWS, check_topology, positive_int
 from eplb.core.policy.base import DEFAULT_DISPATCH_TOKENS, DEFAULT_MOVE_TOLERANCE, DEFAULT_TILE_ROWS
 from eplb.core.replay import Block, oracle_blocks, rebalance_steps, replay_policy
+from eplb.core.trend import DEFAULT_DRIFT_TREND
 from eplb.core.workload import check_trace
 
 SERVING_STEPS = 1000  # model steps one rebalance interval stands for (SGLang's default period)
@@ -154,7 +155,8 @@ def _blocks(kind: str, trace: np.ndarray, initial: Placement, steps: list[int], 
                               dispatch_tokens=opts.dispatch_tokens, tile_rows=opts.tile_rows),
                          decay=opts.decay, min_gain=opts.min_gain, progress=progress,
                          shift_threshold=opts.shift_threshold, check_every=check_every,
-                         tokens_per_step=tokens_per_step, steady_windows=opts.steady_windows)
+                         tokens_per_step=tokens_per_step, steady_windows=opts.steady_windows,
+                         drift_trend=opts.drift_trend)
 
 
 @dataclass(frozen=True)
@@ -177,12 +179,13 @@ class PlanOptions:
     # model steps between two shift checks (EplbConfig's; 0 = no early rebalances)
     control_interval: int = DEFAULT_CONTROL_INTERVAL
     steady_windows: int = DEFAULT_STEADY_WINDOWS  # earlier windows a steady plan adds (0 = off)
+    drift_trend: bool = DEFAULT_DRIFT_TREND  # a drifting load's plans use its trend where it predicted well
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("move_tolerance", "weighted", "decay", "min_gain",
                                               "shift_threshold", "read_tokens", "step_choices",
                                               "dispatch_tokens", "tile_rows", "control_interval",
-                                              "steady_windows")}
+                                              "steady_windows", "drift_trend")}
 
     def check_every(self, interval: int, serving_steps: int) -> float | None:
         """The share of a trace step between two shift checks when an interval of

@@ -33,13 +33,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from eplb.core.placement import Placement
-from eplb.core.planning import (DEFAULT_MIN_GAIN, DEFAULT_SHIFT_THRESHOLD, DEFAULT_STEADY_WINDOWS,
+from eplb.core.planning import (DEFAULT_MIN_GAIN, DEFAULT_SHIFT_THRESHOLD, DEFAULT_STEADY_WINDOWS, check_bool,
                                 check_min_gain, check_move_tolerance, check_steady_windows, check_topology,
                                 positive_int)
 from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
 from eplb.core.policy.registry import get_policy
 from eplb.core.replay import (RebalanceRecord, block_imbalance, decay_weights, oracle_blocks, rebalance_steps,
                               replay_policy, step_imbalance, window_load)
+from eplb.core.trend import DEFAULT_DRIFT_TREND
 from eplb.core.workload import check_trace
 
 RESERVED_NAMES = ("none", "oracle")
@@ -126,6 +127,7 @@ def simulate(
     progress: Callable[[], None] | None = None,
     shift_threshold: float = DEFAULT_SHIFT_THRESHOLD,
     steady_windows: int = DEFAULT_STEADY_WINDOWS,
+    drift_trend: bool = DEFAULT_DRIFT_TREND,
 ) -> SimulationResult:
     """Replay `trace [T, L, N]` under each policy; see the module docstring.
 
@@ -141,7 +143,8 @@ def simulate(
     (`planning.sampling_gap`): a trace of shares (rows summing to 1) looks like a handful
     of tokens, and no drop clears that noise. `steady_windows`: as
     `EplbConfig.steady_windows`, earlier windows a plan on a steady load adds (shift-aware
-    only; 0: the window alone).
+    only; 0: the window alone). `drift_trend`: as `EplbConfig.drift_trend`, a plan on a
+    drifting load uses the window's trend where it predicted well (shift-aware only).
     """
     trace = check_trace(trace)
     T, L, N = trace.shape
@@ -158,6 +161,7 @@ def simulate(
     min_gain = check_min_gain(min_gain)
     shift_threshold = check_min_gain(shift_threshold, "shift_threshold")
     steady_windows = check_steady_windows(steady_windows)
+    drift_trend = check_bool(drift_trend, "drift_trend")
     if bytes_per_expert is not None and (isinstance(bytes_per_expert, bool)
                                          or not isinstance(bytes_per_expert, int) or bytes_per_expert < 0):
         raise ValueError(f"bytes_per_expert must be an int >= 0, got {bytes_per_expert!r}")
@@ -190,7 +194,8 @@ def simulate(
               "interval": interval, "start": start, "decay": float(decay),
               "move_tolerance": float(move_tolerance), "weighted": bool(weighted),
               "min_gain": min_gain, "shift_threshold": shift_threshold,
-              "steady_windows": steady_windows, "bytes_per_expert": bytes_per_expert, "policies": policies,
+              "steady_windows": steady_windows, "drift_trend": drift_trend,
+              "bytes_per_expert": bytes_per_expert, "policies": policies,
               "rebalance_steps": steps}
 
     none_scores = step_imbalance(trace, initial)  # [T, L]
@@ -204,7 +209,7 @@ def simulate(
         for block in replay_policy(trace, initial, steps, window, name, kw, decay=decay,
                                    min_gain=min_gain, bytes_per_expert=bytes_per_expert,
                                    progress=progress, shift_threshold=shift_threshold,
-                                   steady_windows=steady_windows):
+                                   steady_windows=steady_windows, drift_trend=drift_trend):
             res.rebalances.append(block.record)
             scores[block.start:block.end] = block_imbalance(trace, block)
         results[name] = res

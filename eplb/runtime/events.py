@@ -95,13 +95,16 @@ class RebalanceEvent:
     # drifting load (`planning.plan_tolerance`); None when nothing was planned (a given
     # placement, or no load)
     move_tolerance: float | None = None
+    # layers the plan made on the window's trend (a drifting load, `trend.DriftTrend`)
+    trend_layers: int = 0
 
     @classmethod
     def of_change(cls, stats: ChangeStats, moved: TransferStats, *, step: int, trigger: str,
                   before: np.ndarray, after: np.ndarray, placement: Placement,
                   bytes_per_expert: int, seconds_plan: float, asynchronous: bool,
                   predicted_gain: float, skipped: bool, min_gain: float,
-                  skip_reason: str = "", move_tolerance: float | None = None) -> "RebalanceEvent":
+                  skip_reason: str = "", move_tolerance: float | None = None,
+                  trend_layers: int = 0) -> "RebalanceEvent":
         """The event of a finished change: its timers from `stats` (this rank's), what
         moved from `moved` (all ranks, `transfer_stats` of the two placements), the
         figures of the plan (`before`, `after` [L], gain, skip) from the caller."""
@@ -115,7 +118,8 @@ class RebalanceEvent:
             steps_in_flight=stats.steps if asynchronous else 0,
             seconds_step_loop=stats.seconds_step_loop, max_step_loop_seconds=stats.max_step_loop,
             seconds_agree_wait=stats.seconds_agree_wait, predicted_gain=predicted_gain,
-            skipped=skipped, min_gain=min_gain, skip_reason=skip_reason, move_tolerance=move_tolerance)
+            skipped=skipped, min_gain=min_gain, skip_reason=skip_reason, move_tolerance=move_tolerance,
+            trend_layers=trend_layers)
 
     @property
     def seconds(self) -> float:
@@ -131,17 +135,20 @@ class RebalanceEvent:
         0.868 -> 0.984 (predicted), 20 experts moved (0.98 MB) in 0.044 s, move tolerance 0.03`."""
         head = f"rebalance at step {self.step} ({self.trigger})"
         before = float(np.mean(self.balancedness_before))
+        trend = (f", drift trend in {self.trend_layers} of {len(self.balancedness_after)} layers"
+                 if self.trend_layers else "")
         if self.skipped:
             why = self.skip_reason or (
                 f"nothing to gain (predicted gain {self.predicted_gain:+.4f})"
                 if self.predicted_gain <= 0
                 else f"predicted gain {self.predicted_gain:+.4f} < min gain {self.min_gain:.4f}")
-            return f"{head} skipped: {why}; balancedness {before:.4f}, nothing moved"
+            return f"{head} skipped: {why}; balancedness {before:.4f}, nothing moved{trend}"
         return (f"{head}: balancedness {before:.4f} -> {float(np.mean(self.balancedness_after)):.4f} "
                 f"(predicted), {self.experts_moved} experts moved ({self.bytes_moved / 1e6:.2f} MB) "
                 f"in {self.seconds:.3f} s"
                 + (f" over {self.steps_in_flight} steps" if self.steps_in_flight else "")
-                + (f", move tolerance {self.move_tolerance:g}" if self.move_tolerance is not None else ""))
+                + (f", move tolerance {self.move_tolerance:g}" if self.move_tolerance is not None else "")
+                + trend)
 
     def summary(self) -> dict:
         """JSON-ready figures of this rebalance (no placement)."""
@@ -158,4 +165,5 @@ class RebalanceEvent:
             "seconds_step_loop": self.seconds_step_loop,
             "max_step_loop_seconds": self.max_step_loop_seconds,
             "seconds_agree_wait": self.seconds_agree_wait, "move_tolerance": self.move_tolerance,
+            "trend_layers": self.trend_layers,
         }

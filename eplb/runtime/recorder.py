@@ -86,8 +86,10 @@ class LoadRecorder:
         return self.gpu_ring[(self.steps_recorded - 1) % self.window_size]
 
     def window_load(self, group: dist.ProcessGroup | None = None, decay: float = 1.0,
-                    since_plan: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Window sums over all ranks: logical `[L, N]` and measured per-GPU `[L, M]`.
+                    since_plan: bool = False, moment: bool = False) -> tuple[torch.Tensor, ...]:
+        """Window sums over all ranks: logical `[L, N]` and measured per-GPU `[L, M]`; with
+        `moment`, also the logical counts weighted by step age (`local_moment`, `[L, N]`
+        int64, in the same all-reduce: what a drifting load's trend is fitted from).
 
         `decay` weights the logical counts of the step `k` steps older than the newest by
         `decay**k` (age 0 = the newest step); 1.0 is the plain window sum and returns int64,
@@ -98,12 +100,23 @@ class LoadRecorder:
         counts as a plain sum (what shift detection measures and an early rebalance plans on).
         """
         logical, gpu = self.local_window(decay, since_plan)  # [L, N], [L, M]
-        both = torch.cat([logical, gpu.to(logical.dtype)], dim=1)  # [L, N + M]
+        parts = [logical, gpu.to(logical.dtype)] + ([self.local_moment().to(logical.dtype)] if moment else [])
+        both = torch.cat(parts, dim=1)  # [L, N + M (+ N)]
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(both, group=group)
-        N = logical.shape[1]
-        # per-GPU sums are integers below 2**53, exact in float64
-        return both[:, :N], both[:, N:].to(torch.int64)
+        N, M = logical.shape[1], gpu.shape[1]
+        # per-GPU sums (and age-weighted counts) are integers below 2**53, exact in float64
+        out = (both[:, :N], both[:, N:N + M].to(torch.int64))
+        return out + (both[:, N + M:].to(torch.int64),) if moment else out
+
+    def local_moment(self) -> torch.Tensor:  # [L, N] int64
+        """This rank's logical counts of the window weighted by each step's age: 0 for the
+        newest step, `fill - 1` for the oldest (`trend.trend_load`'s `moment`)."""
+        W = self.window_size
+        newest = (self.steps_recorded - 1) % W
+        age = (newest - torch.arange(W, device=self.logical_ring.device)) % W  # [W] (unfilled entries are 0)
+        # elementwise, not tensordot: CUDA has no int64 matmul
+        return (age.view(W, 1, 1) * self.logical_ring).sum(0)  # [L, N]
 
     def local_window(self, decay: float = 1.0, since_plan: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +162,7 @@ class LoadRecorder:
         saved = self.gpu_steps
         self.gpu_steps = max(1, saved)
         try:
-            self.window_load(group, decay)
+            self.window_load(group, decay, moment=True)  # the drift trend's kernels too
         finally:
             self.gpu_steps = saved
 

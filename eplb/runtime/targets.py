@@ -26,6 +26,7 @@ from eplb.core.config import EplbConfig
 from eplb.core.placement import Placement, balancedness_of_gpu_loads
 from eplb.core.planning import (ShiftState, SteadyMemory, drifting, plan_tolerance, predicted_gain, sampling_gap,
                                 worth_moving)
+from eplb.core.trend import DriftTrend
 from eplb.runtime.events import NO_LOAD
 from eplb.runtime.plan_broadcast import Rank0Planner
 from eplb.runtime.recorder import LoadRecorder
@@ -50,6 +51,7 @@ class RebalanceTargets:
         self.shift = ShiftState()  # the same state as the simulator's
         self.early_used = False  # an early (shift) rebalance ran since the last other plan
         self.memory = SteadyMemory()  # windows of earlier steady plans (rank 0's copy plans)
+        self.trend = DriftTrend()  # the last drifting plan's trend and window (rank 0's copy plans)
 
     def shift_now(self, config: EplbConfig) -> bool:
         """Shift-aware early rebalance: whether the load recorded since the last plan shows
@@ -105,6 +107,12 @@ class RebalanceTargets:
             steady = window_is_new and not (shifted or drifting(config.move_tolerance, variation, window_noise))
             memory = SteadyMemory(keep, self.memory.windows)
             load, self.memory = memory.plan(info["load"], steady)  # [L, N] the window (+ earlier ones)
+            # the window's trend, in the layers where the last one predicted well (a drift)
+            n = info.get("window_steps", 0)
+            trend = DriftTrend(_trend_on(config), self.trend.last)
+            load, self.trend, used = trend.plan(load, info.get("moment"), n, (n + config.rebalance_interval) / 2.0,
+                                                window_is_new and not shifted)
+            info["trend_layers"] = int(used.sum())
             info["load"] = load  # what the planner sees, and what the event's figures are on
             planned = self.planner.plan(load, placement, plan_group, move_tolerance=tol,
                                         step_choices=info["step_choices"])
@@ -151,8 +159,10 @@ class RebalanceTargets:
         the load over the steps it covers). In
         asynchronous mode that function runs in the rebalance thread, after the
         all-reduce's kernels, so the step loop never waits for the copy."""
-        logical, gpu = self.recorder.window_load(self.group, decay=config.load_decay,
-                                                 since_plan=since_plan)  # [L, N], [L, M]
+        with_moment = _trend_on(config) and not since_plan  # a drifting load's trend, in the same all-reduce
+        logical, gpu, *moment = self.recorder.window_load(self.group, decay=config.load_decay,
+                                                          since_plan=since_plan, moment=with_moment)  # [L, N], [L, M]
+        window_steps = self.recorder.fill
         steps = self.recorder.window_steps(config.load_decay, since_plan)
         recent = gpu  # [L, M]  (one more small all-reduce when it differs)
         if not since_plan and config.shift_threshold:
@@ -171,5 +181,13 @@ class RebalanceTargets:
             info["measured"] = balancedness_of_gpu_loads(recent_np)  # [L]
             info["sampling"] = sampling_gap(recent_np)  # its routing noise
             info["step_choices"] = float(info["load"].sum(1).mean()) / steps if steps > 0 else 0.0
+            if moment:  # [L, N] the window's counts weighted by step age, over its `window_steps` steps
+                info["moment"], info["window_steps"] = moment[0].cpu().numpy().astype(np.float64), window_steps
 
         return read
+
+
+def _trend_on(config: EplbConfig) -> bool:
+    """Whether plans may use the window's trend (`trend.DriftTrend`): `drift_trend`,
+    with shift detection on (the shift-aware planning it belongs to) and plain sums."""
+    return bool(config.drift_trend) and config.shift_threshold > 0 and config.load_decay == 1

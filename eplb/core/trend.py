@@ -1,0 +1,79 @@
+"""Plans on a drifting load use the window's trend (issue 29): `trend_load` extrapolates
+each expert's count per step to the middle of the interval a plan will serve, and
+`DriftTrend` decides per layer whether a plan uses it. Pure functions and a frozen state,
+shared by the runtime (`eplb.runtime.targets`) and the replay (`eplb.core.replay`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+DEFAULT_DRIFT_TREND = True
+"""Scheduled plans use the window's trend in the layers where it has predicted well
+(`DriftTrend`: a drifting load; measured on the issue 29 replay, benchmarks/README.md);
+False: the window."""
+
+TREND_FLOOR = 0.1  # an expert's extrapolated count is at least this share of its window mean
+
+
+def trend_load(total: np.ndarray, moment: np.ndarray, steps: int, ahead: float) -> np.ndarray:  # [L, N]
+    """The load of the `steps` steps of a window extrapolated `ahead` steps past its middle.
+
+    `total [L, N]`: the window's counts summed over its steps; `moment [L, N]`: the same
+    counts weighted by each step's age (0 for the newest step, steps - 1 for the oldest),
+    what `LoadRecorder.window_load(moment=True)` all-reduces. Per expert, the least-squares
+    line through its count per step gives the count at the middle of what comes (`ahead`:
+    `(window + rebalance_interval) / 2` for the interval the plan serves); it is at least
+    `TREND_FLOOR` of the window mean, and each layer is rescaled to the window's tokens (the
+    planner sees the same volume, only its split over the experts moves)."""
+    total = np.asarray(total, dtype=np.float64)
+    moment = np.asarray(moment, dtype=np.float64)
+    if steps < 2:
+        return total
+    mean_age = (steps - 1) / 2.0
+    sxx = steps * (steps * steps - 1) / 12.0  # sum over the steps of (age - mean age)**2
+    slope = -(moment - mean_age * total) / sxx  # [L, N] count per step, per step towards the newest
+    mean = total / steps  # [L, N]
+    pred = np.maximum(mean + slope * float(ahead), TREND_FLOOR * mean)
+    sums = pred.sum(-1, keepdims=True)  # [L, 1]
+    return np.divide(pred * total.sum(-1, keepdims=True), sums, out=total.copy(), where=sums > 0)
+
+
+@dataclass(frozen=True)
+class DriftTrend:
+    """Plans on a drifting load (pure: every update returns a new state). A drift moves
+    the load on between the window a plan sees and the interval it serves, so a plan on
+    the window balances a load that is gone; at EP 128 on the issue 29 drift family both
+    the default and DeepSeek's plans serve about 1.41 max/mean where the oracle gets 1.12.
+    A scheduled plan therefore makes the window's trend (`trend_load`) and plans on it, per
+    layer, where the trend made by the plan before predicted what followed better than
+    that plan's window did (L1 distance of the expert shares), which a load moving one way
+    passes and a steady or jumpy one does not (a straight line through noise or through
+    jumps lands further off than their mean). The first plan only makes a trend to judge;
+    a plan after a shift, or on a window the last plan saw, forgets it."""
+
+    on: bool = DEFAULT_DRIFT_TREND
+    last: tuple | None = None  # ([L, N] trend, [L, N] window) of the last scheduled plan
+
+    def plan(self, window: np.ndarray, moment: np.ndarray | None, steps: int, ahead: float,
+             fresh: bool) -> tuple[np.ndarray, "DriftTrend", np.ndarray]:
+        """(what the plan plans on, the state after it, [L] bool: the layers that use the
+        trend). `fresh`: a scheduled plan (not after a shift) on a window of `steps` steps
+        none of which the last plan saw; else, or `moment` None, the window alone and the
+        state forgets (a shift's load says nothing of the trend before it)."""
+        window = np.asarray(window, dtype=np.float64)
+        none = np.zeros(window.shape[0], dtype=bool)  # [L]
+        if not self.on or not fresh or moment is None or steps < 2:
+            return window, replace(self, last=None), none
+        trend = trend_load(window, moment, steps, ahead)  # [L, N]
+        use = none
+        if self.last is not None and self.last[0].shape == window.shape:
+            came = _shares(window)  # [L, N] what followed the last plan
+            use = (np.abs(_shares(self.last[0]) - came).sum(-1)
+                   < np.abs(_shares(self.last[1]) - came).sum(-1))  # [L]
+        return np.where(use[:, None], trend, window), replace(self, last=(trend, window)), use
+
+
+def _shares(load: np.ndarray) -> np.ndarray:  # [L, N] -> [L, N] per-layer shares (0 for an empty layer)
+    sums = load.sum(-1, keepdims=True)
+    return np.divide(load, sums, out=np.zeros_like(load), where=sums > 0)

@@ -1,0 +1,178 @@
+"""Plans on a drifting load use the window's trend where it predicted well (issue 29):
+`trend.trend_load` against an independent least-squares fit, the `DriftTrend` rules,
+the recorder's age-weighted window, and the replay and the runtime that use them."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from _dist import device_for, run_distributed
+from eplb.core.trend import TREND_FLOOR, DriftTrend, trend_load
+from eplb.core.simulate import simulate
+from eplb.runtime.recorder import LoadRecorder
+
+
+def _by_polyfit(steps: np.ndarray, ahead: float) -> np.ndarray:  # [W, L, N] -> [L, N]
+    """What `trend_load` should give, computed another way: numpy's degree-1 polyfit of
+    every expert's counts over the step index, evaluated `ahead` past the window's middle,
+    floored and rescaled to the window's tokens per layer."""
+    W, L, N = steps.shape
+    t = np.arange(W, dtype=np.float64)
+    out = np.empty((L, N))
+    for layer in range(L):
+        for e in range(N):
+            slope, icept = np.polyfit(t, steps[:, layer, e], 1)
+            out[layer, e] = max(icept + slope * ((W - 1) / 2 + ahead), TREND_FLOOR * steps[:, layer, e].mean())
+    return out * steps.sum((0, 2))[:, None] / out.sum(1, keepdims=True)
+
+
+def _moment(steps: np.ndarray) -> np.ndarray:  # [W, L, N] oldest first -> [L, N] counts x age
+    return sum(age * s for age, s in zip(range(len(steps) - 1, -1, -1), steps))
+
+
+def test_trend_load_is_the_least_squares_line_floored_and_rescaled():
+    rng = np.random.default_rng(3)
+    for W, ahead in ((4, 4.0), (7, 2.5), (2, 10.0)):
+        steps = rng.poisson(rng.uniform(1, 50, (1, 3, 9)) + rng.uniform(-5, 5, (1, 3, 9)).clip(0)
+                            * np.arange(W)[:, None, None], (W, 3, 9)).astype(float)  # [W, L, N]
+        got = trend_load(steps.sum(0), _moment(steps), W, ahead)
+        np.testing.assert_allclose(got, _by_polyfit(steps, ahead), rtol=1e-9)
+        np.testing.assert_allclose(got.sum(1), steps.sum((0, 2)))  # the window's tokens per layer
+    # a straight line is continued exactly (no floor reached, and the rescale keeps it: the
+    # total per step is constant)
+    line = np.stack([[[10 + 2 * t, 30 - 2 * t]] for t in range(4)]).astype(float)  # [4, 1, 2]
+    np.testing.assert_allclose(trend_load(line.sum(0), _moment(line), 4, 3.0),
+                               [[(10 + 2 * 4.5) * 4, (30 - 2 * 4.5) * 4]])
+    # one step: no slope to fit, the window as it is
+    one = np.array([[[3.0, 4.0]]])
+    np.testing.assert_array_equal(trend_load(one.sum(0), _moment(one), 1, 5.0), one.sum(0))
+
+
+def test_drift_trend_uses_a_layer_where_its_last_trend_predicted_better():
+    # two layers drifting alike; what follows goes on along the trend in layer 0 and goes
+    # back to the window in layer 1
+    line = np.stack([np.array([[10.0 + j, 20.0 - j]] * 2) for j in range(4)])  # [4, L, N]
+    moment = _moment(line)
+    state = DriftTrend()
+    load, state, used = state.plan(line.sum(0), moment, 4, 4.0, fresh=True)
+    assert not used.any() and np.array_equal(load, line.sum(0))  # the first trend is only made, to judge
+    made = state.last[0]
+    # what came: layer 0 went on as the trend said, layer 1 went back to where the window was
+    came = np.stack([made[0], line.sum(0)[1]])
+    load, state2, used = state.plan(came, moment, 4, 4.0, fresh=True)
+    assert used.tolist() == [True, False]
+    np.testing.assert_allclose(load[0], trend_load(came, moment, 4, 4.0)[0])
+    np.testing.assert_array_equal(load[1], came[1])
+    # not on a drift (or off, or no moment): the window, and the state forgets
+    for kw in (dict(fresh=False), dict(fresh=True, moment=None)):
+        args = dict(window=came, moment=moment, steps=4, ahead=4.0, fresh=True)
+        args.update(kw)
+        load, after, used = state2.plan(**args)
+        assert after.last is None and not used.any() and np.array_equal(load, came)
+    load, after, used = DriftTrend(on=False, last=state.last).plan(came, moment, 4, 4.0, True)
+    assert not used.any() and np.array_equal(load, came) and after.last is None
+
+
+def _moment_all_reduces(rank: int, world: int) -> None:
+    device = device_for(rank)
+    L, N, M, S, W = 2, 4, 2, 3, 5
+    rec = LoadRecorder(L, N, M, S, window_size=W, device=device)
+    p2l = torch.tensor([[0, 1, 2, 3, 0, 1], [3, 2, 1, 0, 0, 2]], device=device)
+    rng = np.random.default_rng(11)
+    logical = []
+    for t in range(7):  # the ring wraps: the window holds steps 2..6
+        x = torch.tensor(rng.integers(0, 9, (L, 2 * S)) * (rank + 1), dtype=torch.int64)
+        logical.append(np.stack([np.bincount(p2l[i].cpu().numpy(), weights=x[i].numpy(), minlength=N)
+                                 for i in range(L)]))
+        rec.record(x.to(device), p2l)
+    total, gpu, moment = rec.window_load(moment=True)
+    factor = world * (world + 1) // 2  # every rank's counts are (rank + 1) x the same draws
+    want = sum(age * c for age, c in zip(range(W - 1, -1, -1), logical[-W:])) / (rank + 1) * factor
+    assert moment.dtype == torch.int64 and np.array_equal(moment.cpu().numpy(), want)
+    assert np.array_equal(total.cpu().numpy(), sum(logical[-W:]) / (rank + 1) * factor)
+    assert len(rec.window_load()) == 2  # without it, the two sums as before
+
+
+def test_recorder_all_reduces_the_age_weighted_window():
+    run_distributed(_moment_all_reduces, 2)
+
+
+def _linear_drift(tokens_per_step: float = 1e5, T: int = 40, seed: int = 2) -> np.ndarray:  # [T, 2, 16]
+    """Expected counts moving linearly from one random profile to another."""
+    rng = np.random.default_rng(seed)
+    a, b = rng.lognormal(0, 1.5, (2, 2, 16))
+    a, b = a / a.sum(-1, keepdims=True), b / b.sum(-1, keepdims=True)
+    x = np.linspace(0, 1, T)[:, None, None]
+    return np.rint(tokens_per_step * ((1 - x) * a + x * b))
+
+
+def test_replay_on_a_drift_plans_on_the_trend_and_serves_it_better():
+    trace = _linear_drift()
+    runs = {on: simulate(trace, 8, 24, 4, 4, min_gain=0.0, shift_threshold=0.05, oracle=False, drift_trend=on)
+            for on in (True, False)}
+    recs = {on: r.policies["default"].rebalances for on, r in runs.items()}
+    assert [r.move_tolerance for r in recs[False]][2:] == [0.0] * (len(recs[False]) - 2)  # the drift rule fires
+    # the same plans until the trend has predicted once, then better balance out of sample
+    served = {on: float(runs[on].policies["default"].scored.mean()) for on in runs}
+    assert served[True] < served[False] - 0.005, served
+    # off, or without shift detection: the window alone, as before this setting existed
+    off = simulate(trace, 8, 24, 4, 4, min_gain=0.0, shift_threshold=0.0, oracle=False, drift_trend=True)
+    ref = simulate(trace, 8, 24, 4, 4, min_gain=0.0, shift_threshold=0.0, oracle=False, drift_trend=False)
+    np.testing.assert_array_equal(off.policies["default"].scored, ref.policies["default"].scored)
+
+
+def _trend_body(rank, world):
+    """After the first plan, the load drifts linearly from experts 4, 5 towards two experts
+    that plan left alone on GPU 0 (as test_shift's drift; window 4, interval 8, both ranks
+    counting the same): some later plan uses the trend, and in the layers it says it did
+    the policy got `_by_polyfit` of the window's counts, elsewhere the window itself."""
+    import test_shift
+    from test_shift import L, N, _physical, _runtime
+
+    device = device_for(rank)
+    rt = _runtime(dist.group.WORLD, device, 0.05)
+    target, fed, steps_at = None, {}, {}
+    for step in range(1, 41):
+        if target is None and rt.events:  # the same on every rank: the broadcast placement
+            p2l = rt.placement.physical_to_logical[0]  # [P]
+            reps = np.bincount(p2l, minlength=N)
+            only0 = set(p2l[:len(p2l) // 2].tolist()) - set(p2l[len(p2l) // 2:].tolist())
+            target, start = sorted(e for e in only0 if reps[e] == 1)[:2], step
+        x = 0.0 if target is None else (step - start) / 32
+        load = np.full((L, N), 10.0)
+        load[:, [4, 5]] += 400 * (1 - x)
+        if target is not None:
+            load[:, target] += 400 * x
+        phys = _physical(rt, load, rank)  # [L, P] under the placement in force
+        p2l = rt.placement.physical_to_logical  # [L, P]
+        fed[step] = np.stack([np.bincount(p2l[i], weights=phys[i].numpy(), minlength=N) for i in range(L)])
+        rt.expert_load_pass.copy_(phys.to(device))
+        before = len(rt.events)
+        rt.step()
+        rt.finish_rebalance()  # each plan done before the next step: a plan's window is known
+        for _ in rt.events[before:]:
+            steps_at[len(steps_at)] = step
+    rt.close()
+    used = [i for i, e in enumerate(rt.events) if e.trend_layers]
+    assert used, [(e.step, e.trigger, e.move_tolerance, e.trend_layers) for e in rt.events]
+    for i in used:
+        e = rt.events[i]
+        assert e.summary()["trend_layers"] == e.trend_layers
+        assert f", drift trend in {e.trend_layers} of {L} layers" in e.describe(), e.describe()
+    if rank != 0:
+        return
+    assert len(test_shift.LOADS) == len(rt.events)  # every rebalance planned, in order
+    for i in used:
+        s = steps_at[i]
+        window = np.stack([2 * fed[t] for t in range(s - 3, s + 1)])  # [4, L, N] both ranks
+        seen = test_shift.LOADS[i]  # [L, N] what the policy planned on
+        trend = _by_polyfit(window, (4 + 8) / 2)
+        on_trend = [not np.array_equal(seen[layer], window.sum(0)[layer]) for layer in range(L)]
+        assert sum(on_trend) == rt.events[i].trend_layers
+        for layer in np.flatnonzero(on_trend):
+            np.testing.assert_allclose(seen[layer], trend[layer], rtol=1e-9)
+
+
+def test_runtime_plans_a_drifting_load_on_its_trend():
+    run_distributed(_trend_body, 2)
