@@ -15,15 +15,19 @@ from eplb.runtime.recorder import LoadRecorder
 
 def _by_polyfit(steps: np.ndarray, ahead: float) -> np.ndarray:  # [W, L, N] -> [L, N]
     """What `trend_load` should give, computed another way: numpy's degree-1 polyfit of
-    every expert's counts over the step index, evaluated `ahead` past the window's middle,
-    floored and rescaled to the window's tokens per layer."""
+    every expert's counts over the step index, its slope shrunk by its Poisson noise,
+    evaluated `ahead` past the window's middle, floored and rescaled to the window's tokens
+    per layer."""
     W, L, N = steps.shape
     t = np.arange(W, dtype=np.float64)
     out = np.empty((L, N))
     for layer in range(L):
         for e in range(N):
             slope, icept = np.polyfit(t, steps[:, layer, e], 1)
-            out[layer, e] = max(icept + slope * ((W - 1) / 2 + ahead), TREND_FLOOR * steps[:, layer, e].mean())
+            mean = steps[:, layer, e].mean()
+            noise = mean / np.sum((t - t.mean()) ** 2)  # a Poisson count's variance, on the slope
+            slope *= min(1.0, max(0.0, 1 - noise / max(slope ** 2, 1e-300)))
+            out[layer, e] = max(mean + slope * ahead, TREND_FLOOR * mean)
     return out * steps.sum((0, 2))[:, None] / out.sum(1, keepdims=True)
 
 
@@ -39,11 +43,6 @@ def test_trend_load_is_the_least_squares_line_floored_and_rescaled():
         got = trend_load(steps.sum(0), _moment(steps), W, ahead)
         np.testing.assert_allclose(got, _by_polyfit(steps, ahead), rtol=1e-9)
         np.testing.assert_allclose(got.sum(1), steps.sum((0, 2)))  # the window's tokens per layer
-    # a straight line is continued exactly (no floor reached, and the rescale keeps it: the
-    # total per step is constant)
-    line = np.stack([[[10 + 2 * t, 30 - 2 * t]] for t in range(4)]).astype(float)  # [4, 1, 2]
-    np.testing.assert_allclose(trend_load(line.sum(0), _moment(line), 4, 3.0),
-                               [[(10 + 2 * 4.5) * 4, (30 - 2 * 4.5) * 4]])
     # one step: no slope to fit, the window as it is
     one = np.array([[[3.0, 4.0]]])
     np.testing.assert_array_equal(trend_load(one.sum(0), _moment(one), 1, 5.0), one.sum(0))
@@ -52,26 +51,49 @@ def test_trend_load_is_the_least_squares_line_floored_and_rescaled():
 def test_drift_trend_uses_a_layer_where_its_last_trend_predicted_better():
     # two layers drifting alike; what follows goes on along the trend in layer 0 and goes
     # back to the window in layer 1
-    line = np.stack([np.array([[10.0 + j, 20.0 - j]] * 2) for j in range(4)])  # [4, L, N]
-    moment = _moment(line)
+    line = np.stack([np.array([[1e4 + 1e3 * j, 2e4 - 1e3 * j]] * 2) for j in range(4)])  # [4, L, N]
+    window, moment = line.sum(0), _moment(line)
     state = DriftTrend()
-    load, state, used = state.plan(line.sum(0), moment, 4, 4.0, fresh=True)
-    assert not used.any() and np.array_equal(load, line.sum(0))  # the first trend is only made, to judge
+    load, state, used = state.plan(window, window, moment, 4, 1.0, fresh=True, drift=True)
+    assert not used.any() and np.array_equal(load, window)  # the first trend is only made, to judge
     made = state.last[0]
     # what came: layer 0 went on as the trend said, layer 1 went back to where the window was
-    came = np.stack([made[0], line.sum(0)[1]])
-    load, state2, used = state.plan(came, moment, 4, 4.0, fresh=True)
+    came = np.stack([made[0], window[1]])
+    other = came * 3  # what the plan would plan on otherwise (e.g. with earlier steady windows)
+    load, state2, used = state.plan(came, other, moment, 4, 1.0, fresh=True, drift=True)
     assert used.tolist() == [True, False]
-    np.testing.assert_allclose(load[0], trend_load(came, moment, 4, 4.0)[0])
-    np.testing.assert_array_equal(load[1], came[1])
-    # not on a drift (or off, or no moment): the window, and the state forgets
+    # layer 0: the trend's move from the window, carried over to three windows' worth (1
+    # step past the window's middle: no floor reached)
+    np.testing.assert_allclose(load[0], other[0] + 3 * (trend_load(came, moment, 4, 1.0)[0] - came[0]))
+    np.testing.assert_array_equal(load[1], other[1])  # the other layer keeps the plan's load
+    # the drift rule quiet: a layer on the trend last time stays on it while it predicts
+    # better; one that was not does not start
+    again = np.stack([state2.last[0][0], state2.last[0][1]])  # both layers went on as the trends said
+    _, _, used = state2.plan(again, again, moment, 4, 1.0, fresh=True, drift=False)
+    assert used.tolist() == [True, False]
+    _, _, used = state2.plan(again, again, moment, 4, 1.0, fresh=True, drift=True)
+    assert used.tolist() == [True, True]
+    # not a fresh scheduled plan, or no moment, or off: `load`, and the state forgets
     for kw in (dict(fresh=False), dict(fresh=True, moment=None)):
-        args = dict(window=came, moment=moment, steps=4, ahead=4.0, fresh=True)
+        args = dict(window=came, load=other, moment=moment, steps=4, ahead=1.0, fresh=True, drift=True)
         args.update(kw)
         load, after, used = state2.plan(**args)
-        assert after.last is None and not used.any() and np.array_equal(load, came)
-    load, after, used = DriftTrend(on=False, last=state.last).plan(came, moment, 4, 4.0, True)
-    assert not used.any() and np.array_equal(load, came) and after.last is None
+        assert after.last is None and not used.any() and np.array_equal(load, other)
+    load, after, used = DriftTrend(on=False, last=state.last).plan(came, other, moment, 4, 1.0, True, True)
+    assert not used.any() and np.array_equal(load, other) and after.last is None
+
+
+def test_trend_load_shrinks_a_slope_within_routing_noise():
+    """A slope no larger than a Poisson count's noise is shrunk towards 0 (the window mean
+    stays); a slope well clear of it is kept almost whole."""
+    flat = np.stack([np.array([[100.0 + d, 100.0 - d]]) for d in (1, -1, 1, -1)])  # [4, 1, 2] noise-sized
+    np.testing.assert_allclose(trend_load(flat.sum(0), _moment(flat), 4, 6.0), flat.sum(0))
+    steep = np.stack([np.array([[1e4 + 1e3 * j, 1e4 - 1e3 * j]]) for j in range(4)])  # means 11500, 8500
+    got = trend_load(steep.sum(0), _moment(steep), 4, 2.0)  # 2 steps past the window's middle
+    # each slope (+-1000 a step) less its noise share: variance mean / sxx, sxx = 5 over 4 steps
+    up, down = 11500 + 2 * 1e3 * (1 - 2300 / 1e6), 8500 - 2 * 1e3 * (1 - 1700 / 1e6)
+    np.testing.assert_allclose(got, [[up, down]] / np.float64(up + down) * 80000, rtol=1e-12)
+    assert got[0, 0] > 4 * 11500 + 7900  # almost the whole 2 x 1000 a step, over 4 steps
 
 
 def _moment_all_reduces(rank: int, world: int) -> None:
@@ -123,27 +145,19 @@ def test_replay_on_a_drift_plans_on_the_trend_and_serves_it_better():
 
 
 def _trend_body(rank, world):
-    """After the first plan, the load drifts linearly from experts 4, 5 towards two experts
-    that plan left alone on GPU 0 (as test_shift's drift; window 4, interval 8, both ranks
-    counting the same): some later plan uses the trend, and in the layers it says it did
-    the policy got `_by_polyfit` of the window's counts, elsewhere the window itself."""
+    """A hot spot travelling across the experts (one expert every 5 steps, both ranks
+    counting the same; window 4, interval 8): the plans in force keep falling behind, and
+    some plan uses the trend. In the layers it says it did, the policy got `_by_polyfit`
+    of the window's counts (floored at TREND_FLOOR of the window, as `DriftTrend` carries a
+    trend over), elsewhere the window itself."""
     import test_shift
     from test_shift import L, N, _physical, _runtime
 
     device = device_for(rank)
     rt = _runtime(dist.group.WORLD, device, 0.05)
-    target, fed, steps_at = None, {}, {}
+    fed, steps_at = {}, {}
     for step in range(1, 41):
-        if target is None and rt.events:  # the same on every rank: the broadcast placement
-            p2l = rt.placement.physical_to_logical[0]  # [P]
-            reps = np.bincount(p2l, minlength=N)
-            only0 = set(p2l[:len(p2l) // 2].tolist()) - set(p2l[len(p2l) // 2:].tolist())
-            target, start = sorted(e for e in only0 if reps[e] == 1)[:2], step
-        x = 0.0 if target is None else (step - start) / 32
-        load = np.full((L, N), 10.0)
-        load[:, [4, 5]] += 400 * (1 - x)
-        if target is not None:
-            load[:, target] += 400 * x
+        load = 10.0 + 400.0 * np.exp(-0.5 * (np.arange(N) - step / 5.0) ** 2)[None].repeat(L, 0)  # [L, N]
         phys = _physical(rt, load, rank)  # [L, P] under the placement in force
         p2l = rt.placement.physical_to_logical  # [L, P]
         fed[step] = np.stack([np.bincount(p2l[i], weights=phys[i].numpy(), minlength=N) for i in range(L)])
@@ -167,11 +181,15 @@ def _trend_body(rank, world):
         s = steps_at[i]
         window = np.stack([2 * fed[t] for t in range(s - 3, s + 1)])  # [4, L, N] both ranks
         seen = test_shift.LOADS[i]  # [L, N] what the policy planned on
+        total = window.sum(0)  # [L, N] what the plan would plan on otherwise (no steady windows on a drift)
         trend = _by_polyfit(window, (4 + 8) / 2)
-        on_trend = [not np.array_equal(seen[layer], window.sum(0)[layer]) for layer in range(L)]
+        # the trend's move carried over to that load: floored at TREND_FLOOR of it, same tokens
+        moved = np.maximum(trend, TREND_FLOOR * total)
+        moved *= total.sum(1, keepdims=True) / moved.sum(1, keepdims=True)
+        on_trend = [not np.array_equal(seen[layer], total[layer]) for layer in range(L)]
         assert sum(on_trend) == rt.events[i].trend_layers
         for layer in np.flatnonzero(on_trend):
-            np.testing.assert_allclose(seen[layer], trend[layer], rtol=1e-9)
+            np.testing.assert_allclose(seen[layer], moved[layer], rtol=1e-9)
 
 
 def test_runtime_plans_a_drifting_load_on_its_trend():

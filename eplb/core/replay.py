@@ -194,9 +194,11 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
         tolerance = plan_kwargs.get("move_tolerance", DEFAULT_MOVE_TOLERANCE)
         tol = plan_tolerance(shifted, tolerance, variation, window_noise)
         steady = not (shifted or early or drifting(tolerance, variation, window_noise))
-        load, memory = memory.plan(load, steady)  # [L, N] the window, plus earlier ones when steady
+        window = load  # [L, N]
+        load, memory = memory.plan(window, steady)  # [L, N] the window, plus earlier ones when steady
         # the window's trend, in the layers where the last one predicted well (a drift)
-        load, trend, _ = trend.plan(load, moment, steps, (steps + gap) / 2.0, not (shifted or early))
+        load, trend, _ = trend.plan(window, load, moment, steps, (steps + gap) / 2.0, not (shifted or early),
+                                    drifting(tolerance, variation, window_noise))
         planned = plan(load, M, P, policy=name, previous=current, **dict(plan_kwargs, move_tolerance=tol))
         move, gain = worth_moving(current, planned, load, min_gain)
         new = planned if move else current

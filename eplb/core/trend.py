@@ -34,6 +34,10 @@ def trend_load(total: np.ndarray, moment: np.ndarray, steps: int, ahead: float) 
     sxx = steps * (steps * steps - 1) / 12.0  # sum over the steps of (age - mean age)**2
     slope = -(moment - mean_age * total) / sxx  # [L, N] count per step, per step towards the newest
     mean = total / steps  # [L, N]
+    # routing noise: a count per step varies about its mean like a Poisson count, so the
+    # fitted slope by about mean / sxx; a slope not clear of that is shrunk towards 0
+    noise = mean / sxx  # [L, N] the slope's variance
+    slope = slope * np.clip(1.0 - noise / np.maximum(slope * slope, 1e-300), 0.0, 1.0)
     pred = np.maximum(mean + slope * float(ahead), TREND_FLOOR * mean)
     sums = pred.sum(-1, keepdims=True)  # [L, 1]
     return np.divide(pred * total.sum(-1, keepdims=True), sums, out=total.copy(), where=sums > 0)
@@ -49,29 +53,43 @@ class DriftTrend:
     layer, where the trend made by the plan before predicted what followed better than
     that plan's window did (L1 distance of the expert shares), which a load moving one way
     passes and a steady or jumpy one does not (a straight line through noise or through
-    jumps lands further off than their mean). The first plan only makes a trend to judge;
-    a plan after a shift, or on a window the last plan saw, forgets it."""
+    jumps lands further off than their mean), and where the load drifts: the drift rule
+    (`planning.drifting`, beyond routing noise) says so, or the layer planned on the trend
+    last time (plans on the trend follow a drift, so the rule may no longer see it). The
+    first plan only makes a trend to judge; a plan after a shift, or on a window the last
+    plan saw, forgets it."""
 
     on: bool = DEFAULT_DRIFT_TREND
-    last: tuple | None = None  # ([L, N] trend, [L, N] window) of the last scheduled plan
+    last: tuple | None = None  # ([L, N] trend, [L, N] window, [L] used) of the last scheduled plan
 
-    def plan(self, window: np.ndarray, moment: np.ndarray | None, steps: int, ahead: float,
-             fresh: bool) -> tuple[np.ndarray, "DriftTrend", np.ndarray]:
+    def plan(self, window: np.ndarray, load: np.ndarray, moment: np.ndarray | None, steps: int,
+             ahead: float, fresh: bool, drift: bool) -> tuple[np.ndarray, "DriftTrend", np.ndarray]:
         """(what the plan plans on, the state after it, [L] bool: the layers that use the
-        trend). `fresh`: a scheduled plan (not after a shift) on a window of `steps` steps
-        none of which the last plan saw; else, or `moment` None, the window alone and the
-        state forgets (a shift's load says nothing of the trend before it)."""
+        trend). `window [L, N]`: the counts of the window's `steps` steps, `moment` their
+        age-weighted sum; `load [L, N]`: what the plan would plan on otherwise (the window,
+        or with `SteadyMemory`'s earlier windows), kept in the other layers. `fresh`: a
+        scheduled plan (not after a shift) on a window none of whose steps the last plan
+        saw; else, or `moment` None, `load` and the state forgets (a shift's load says
+        nothing of the trend before it). `drift`: the drift rule fires for this plan."""
         window = np.asarray(window, dtype=np.float64)
+        load = np.asarray(load, dtype=np.float64)
         none = np.zeros(window.shape[0], dtype=bool)  # [L]
         if not self.on or not fresh or moment is None or steps < 2:
-            return window, replace(self, last=None), none
+            return load, replace(self, last=None), none
         trend = trend_load(window, moment, steps, ahead)  # [L, N]
         use = none
         if self.last is not None and self.last[0].shape == window.shape:
             came = _shares(window)  # [L, N] what followed the last plan
             use = (np.abs(_shares(self.last[0]) - came).sum(-1)
-                   < np.abs(_shares(self.last[1]) - came).sum(-1))  # [L]
-        return np.where(use[:, None], trend, window), replace(self, last=(trend, window)), use
+                   < np.abs(_shares(self.last[1]) - came).sum(-1)) & (drift | self.last[2])  # [L]
+        # the trend's move from the window, carried over to `load` (which may hold more
+        # windows: the same move in proportion), at least TREND_FLOOR of it, same tokens
+        scale = np.divide(load.sum(-1, keepdims=True), window.sum(-1, keepdims=True),
+                          out=np.ones((load.shape[0], 1)), where=window.sum(-1, keepdims=True) > 0)  # [L, 1]
+        moved = np.maximum(load + (trend - window) * scale, TREND_FLOOR * load)  # [L, N]
+        sums = moved.sum(-1, keepdims=True)
+        moved = np.divide(moved * load.sum(-1, keepdims=True), sums, out=load.copy(), where=sums > 0)
+        return np.where(use[:, None], moved, load), replace(self, last=(trend, window, use)), use
 
 
 def _shares(load: np.ndarray) -> np.ndarray:  # [L, N] -> [L, N] per-layer shares (0 for an empty layer)

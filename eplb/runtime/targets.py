@@ -106,12 +106,14 @@ class RebalanceTargets:
                 config.window_size, config.rebalance_interval, config.load_decay) else 0
             steady = window_is_new and not (shifted or drifting(config.move_tolerance, variation, window_noise))
             memory = SteadyMemory(keep, self.memory.windows)
-            load, self.memory = memory.plan(info["load"], steady)  # [L, N] the window (+ earlier ones)
+            window = info["load"]  # [L, N]
+            load, self.memory = memory.plan(window, steady)  # [L, N] the window (+ earlier ones)
             # the window's trend, in the layers where the last one predicted well (a drift)
             n = info.get("window_steps", 0)
             trend = DriftTrend(_trend_on(config), self.trend.last)
-            load, self.trend, used = trend.plan(load, info.get("moment"), n, (n + config.rebalance_interval) / 2.0,
-                                                window_is_new and not shifted)
+            load, self.trend, used = trend.plan(window, load, info.get("moment"), n,
+                                                (n + config.rebalance_interval) / 2.0, window_is_new and not shifted,
+                                                drifting(config.move_tolerance, variation, window_noise))
             info["trend_layers"] = int(used.sum())
             info["load"] = load  # what the planner sees, and what the event's figures are on
             planned = self.planner.plan(load, placement, plan_group, move_tolerance=tol,
