@@ -81,13 +81,15 @@ class EplbConfig:
     window alone). Measured in benchmarks/README.md (issue 29, 2026-12-04, third)."""
     drift_trend: bool = DEFAULT_DRIFT_TREND
     """With shift detection on: a scheduled rebalance (not after a shift) whose window
-    the last plan did not see plans, per layer, on the window's trend (each expert's count
-    extrapolated by least squares to the middle of the `rebalance_interval` the plan will
-    serve) where the trend made at the last rebalance predicted what followed better than
-    that rebalance's window did: a load drifting one way (`eplb.core.trend.DriftTrend`);
-    a steady or jumpy load keeps its window. Plain sums only (`load_decay` 1); the window's
-    age-weighted sum rides in the same all-reduce. False: the window alone. Measured in
-    benchmarks/README.md (issue 29, 2026-12-04, sixth)."""
+    the last plan did not see moves its load, per layer, along the window's trend (each
+    expert's count extrapolated by least squares to the middle of the `rebalance_interval`
+    the plan will serve, slopes within routing noise shrunk) where the load drifts (the
+    drift rule of `shift_threshold`, or the layer was on the trend at the last rebalance)
+    and the trend made at the last rebalance predicted what followed better than that
+    rebalance's window did (`eplb.core.trend.DriftTrend`); a steady or jumpy load keeps
+    its window. Plain sums only (`load_decay` 1); the window's age-weighted sum rides in
+    the same all-reduce. False: the window alone. Measured in benchmarks/README.md (issue
+    29, 2026-12-04, sixth)."""
     read_tokens: float = DEFAULT_READ_TOKENS
     """Decode-aware packing (`eplb.core.policy.balanced.reads`): a slot that gets at least
     one token in a step reads its expert's weights once, which costs as much as this many

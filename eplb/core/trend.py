@@ -1,6 +1,6 @@
 """Plans on a drifting load use the window's trend (issue 29): `trend_load` extrapolates
-each expert's count per step to the middle of the interval a plan will serve, and
-`DriftTrend` decides per layer whether a plan uses it. Pure functions and a frozen state,
+each expert's count per step to the middle of the interval a plan will serve (slopes
+within routing noise shrunk), and `DriftTrend` decides per layer whether a plan uses it. Pure functions and a frozen state,
 shared by the runtime (`eplb.runtime.targets`) and the replay (`eplb.core.replay`)."""
 from __future__ import annotations
 
@@ -49,8 +49,10 @@ class DriftTrend:
     the load on between the window a plan sees and the interval it serves, so a plan on
     the window balances a load that is gone; at EP 128 on the issue 29 drift family both
     the default and DeepSeek's plans serve about 1.41 max/mean where the oracle gets 1.12.
-    A scheduled plan therefore makes the window's trend (`trend_load`) and plans on it, per
-    layer, where the trend made by the plan before predicted what followed better than
+    A scheduled plan therefore makes the window's trend (`trend_load`) and moves its load
+    along it (the trend's move from the window, carried over to the load it would plan on
+    otherwise: `SteadyMemory`'s windows stay), per layer, where the trend made by the plan
+    before predicted what followed better than
     that plan's window did (L1 distance of the expert shares), which a load moving one way
     passes and a steady or jumpy one does not (a straight line through noise or through
     jumps lands further off than their mean), and where the load drifts: the drift rule

@@ -306,9 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       f"and --load-decay 1; default {EplbConfig.steady_windows}, as "
                                       "EplbConfig; 0 = the window alone)")
     sm.add_argument("--drift-trend", choices=("on", "off"), default="on" if EplbConfig.drift_trend else "off",
-                    help="with shift detection on: a scheduled plan uses the window's trend (each expert's "
-                         "count extrapolated to the interval served) in the layers where the last trend "
-                         "predicted better than the window: a drifting load (--load-decay 1; default "
+                    help="with shift detection on: a scheduled plan on a drifting load moves its load along "
+                         "the window's trend (each expert's count extrapolated to the interval served) in "
+                         "the layers where the last trend predicted better than the window (--load-decay 1; "
+                         "default "
                          f"{'on' if EplbConfig.drift_trend else 'off'}, as EplbConfig)")
     sm.add_argument("--control-interval", type=_count("--control-interval"), default=None, metavar="C",
                     help="with --cost: shift checks every C model steps, as the runtime (an interval of "
