@@ -11,8 +11,10 @@ rescaled to the window's tokens per layer). Variants:
 - `trend`: whenever the drift rule fires (and the plan is not after a shift);
 - `trend-skill`: the same, per layer, only when on the layer's last interval the previous
   trend prediction was closer (L1 of the shares) to what came than the window was;
-- `product`: what the planner now does (`EplbConfig.drift_trend`, no patch): the skill
-  gate alone, on every scheduled plan whose window is new, drift rule or not.
+- `product`: what the planner now does (`EplbConfig.drift_trend`, no patch): slopes
+  within routing noise shrunk, the trend's move carried over to the plan's load, in
+  layers that pass the skill gate where the drift rule fires or the layer was on the
+  trend at the last plan.
 
 `off`, `trend` and `trend-skill` run with `drift_trend` off and the replay
 (`eplb.core.replay.replay_policy`) patched here; deepseek and the oracle are untouched. Prints default/deepseek (analytic tokens/s, expected counts) per
