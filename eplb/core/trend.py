@@ -1,7 +1,8 @@
 """Plans on a drifting load use the window's trend (issue 29): `trend_load` extrapolates
 each expert's count per step to the middle of the interval a plan will serve (slopes
-within routing noise shrunk), and `DriftTrend` decides per layer whether a plan uses it. Pure functions and a frozen state,
-shared by the runtime (`eplb.runtime.targets`) and the replay (`eplb.core.replay`)."""
+within routing noise shrunk), and `DriftTrend` decides per layer whether a plan uses it.
+A pure function and a frozen state, shared by the runtime (`eplb.runtime.targets`) and
+the replay (`eplb.core.replay`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -51,15 +52,18 @@ class DriftTrend:
     the default and DeepSeek's plans serve about 1.41 max/mean where the oracle gets 1.12.
     A scheduled plan therefore makes the window's trend (`trend_load`) and moves its load
     along it (the trend's move from the window, carried over to the load it would plan on
-    otherwise: `SteadyMemory`'s windows stay), per layer, where the trend made by the plan
-    before predicted what followed better than
-    that plan's window did (L1 distance of the expert shares), which a load moving one way
-    passes and a steady or jumpy one does not (a straight line through noise or through
-    jumps lands further off than their mean), and where the load drifts: the drift rule
-    (`planning.drifting`, beyond routing noise) says so, or the layer planned on the trend
-    last time (plans on the trend follow a drift, so the rule may no longer see it). The
-    first plan only makes a trend to judge; a plan after a shift, or on a window the last
-    plan saw, forgets it."""
+    otherwise: `SteadyMemory`'s windows stay), per layer, where two things hold:
+
+    - the trend made by the plan before predicted what followed better than that plan's
+      window did (L1 distance of the expert shares), which a load moving one way passes
+      and a steady or jumpy one does not (a straight line through noise or through jumps
+      lands further off than their mean);
+    - the load drifts: the drift rule (`planning.drifting`, beyond routing noise) says
+      so, or the layer was on the trend last time (plans on the trend follow a drift, so
+      the rule may no longer see it).
+
+    The first plan only makes a trend to judge; a plan after a shift, or on a window the
+    last plan saw, forgets it."""
 
     on: bool = DEFAULT_DRIFT_TREND
     last: tuple | None = None  # ([L, N] trend, [L, N] window, [L] used) of the last scheduled plan

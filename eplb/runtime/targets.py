@@ -51,7 +51,7 @@ class RebalanceTargets:
         self.shift = ShiftState()  # the same state as the simulator's
         self.early_used = False  # an early (shift) rebalance ran since the last other plan
         self.memory = SteadyMemory()  # windows of earlier steady plans (rank 0's copy plans)
-        self.trend = DriftTrend()  # the last drifting plan's trend and window (rank 0's copy plans)
+        self.trend = DriftTrend()  # the last scheduled plan's trend, window and layers on it (every rank)
 
     def shift_now(self, config: EplbConfig) -> bool:
         """Shift-aware early rebalance: whether the load recorded since the last plan shows
