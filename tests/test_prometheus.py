@@ -79,6 +79,23 @@ class Prometheus:
         r = self.query(expr)
         return float(r[0]["value"][1]) if r else None
 
+    def wait_scraping(self, job: str, process: subprocess.Popen, log: Path, seconds: float = 60.0) -> None:
+        """Until Prometheus has `job`'s target in its scrape pool (bounded). Its service
+        discovery hands targets over on a 5 s tick, so a short job started with Prometheus
+        can run to its end before the first scrape, and every rate of its counters is
+        then empty."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            assert process.poll() is None, "prometheus exited" + log_tail(log)
+            try:
+                active = self.get("/api/v1/targets", state="active")["activeTargets"]
+                if any(t["labels"].get("job") == job for t in active):
+                    return
+            except OSError:  # not listening yet, or 503 while starting
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"Prometheus has no {job} target after {seconds} s" + log_tail(log))
+
 
 def start(cmd: list[str], log: Path, **env: str) -> subprocess.Popen:
     e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
@@ -155,6 +172,7 @@ def test_dashboard_queries_against_real_prometheus(tmp_path):
         prometheus = start([binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                             f"--web.listen-address=127.0.0.1:{prom_port}", "--log.level=warn"],
                            prom_log)
+        prom.wait_scraping("eplb", prometheus, prom_log)  # scraping before the demo steps: its rebalances are seen
         t0 = time.time()
         demo = start(EPLB + DEMO + ["--metrics-port", str(metrics_port), "--metrics-host",
                                     "127.0.0.1", "--metrics-hold", str(WAIT + 30)], demo_log)
