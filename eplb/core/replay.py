@@ -182,7 +182,7 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
     current, since, state = initial, 0, ShiftState()
     gap = int(np.min(np.diff(steps))) if len(steps) > 1 else window  # the interval between plans
     memory = SteadyMemory(steady_windows if shift_threshold > 0 and SteadyMemory.applies(window, gap, decay) else 0)
-    trend = DriftTrend(on=drift_trend and shift_threshold > 0 and decay == 1.0)
+    trend = DriftTrend(on=DriftTrend.applies(drift_trend, shift_threshold, decay))
     points = check_points(check_every) if check_every is not None else np.zeros(0)  # [K]
 
     def plan_at(s: int, load: np.ndarray, shifted: bool, early: bool, lead: float = 0.0,
@@ -193,12 +193,12 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
         window_noise = 0.0 if variation is None else sampling_gap(current.gpu_loads(load))  # the trace's counts
         tolerance = plan_kwargs.get("move_tolerance", DEFAULT_MOVE_TOLERANCE)
         tol = plan_tolerance(shifted, tolerance, variation, window_noise)
-        steady = not (shifted or early or drifting(tolerance, variation, window_noise))
+        drift = drifting(tolerance, variation, window_noise)
+        steady = not (shifted or early or drift)
         window = load  # [L, N]
         load, memory = memory.plan(window, steady)  # [L, N] the window, plus earlier ones when steady
         # the window's trend, in the layers where the last one predicted well (a drift)
-        load, trend, _ = trend.plan(window, load, moment, steps, (steps + gap) / 2.0, not (shifted or early),
-                                    drifting(tolerance, variation, window_noise))
+        load, trend, _ = trend.plan(window, load, moment, steps, (steps + gap) / 2.0, not (shifted or early), drift)
         planned = plan(load, M, P, policy=name, previous=current, **dict(plan_kwargs, move_tolerance=tol))
         move, gain = worth_moving(current, planned, load, min_gain)
         new = planned if move else current

@@ -39,9 +39,7 @@ def trend_load(total: np.ndarray, moment: np.ndarray, steps: int, ahead: float) 
     # fitted slope by about mean / sxx; a slope not clear of that is shrunk towards 0
     noise = mean / sxx  # [L, N] the slope's variance
     slope = slope * np.clip(1.0 - noise / np.maximum(slope * slope, 1e-300), 0.0, 1.0)
-    pred = np.maximum(mean + slope * float(ahead), TREND_FLOOR * mean)
-    sums = pred.sum(-1, keepdims=True)  # [L, 1]
-    return np.divide(pred * total.sum(-1, keepdims=True), sums, out=total.copy(), where=sums > 0)
+    return _with_tokens_of(np.maximum(mean + slope * float(ahead), TREND_FLOOR * mean), total)
 
 
 @dataclass(frozen=True)
@@ -68,6 +66,12 @@ class DriftTrend:
     on: bool = DEFAULT_DRIFT_TREND
     last: tuple | None = None  # ([L, N] trend, [L, N] window, [L] used) of the last scheduled plan
 
+    @staticmethod
+    def applies(drift_trend: bool, shift_threshold: float, decay: float) -> bool:
+        """Whether plans may use the trend: `drift_trend`, with shift detection on (the
+        shift-aware planning it belongs to) and a window of plain sums (`decay` 1)."""
+        return bool(drift_trend) and shift_threshold > 0 and decay == 1
+
     def plan(self, window: np.ndarray, load: np.ndarray, moment: np.ndarray | None, steps: int,
              ahead: float, fresh: bool, drift: bool) -> tuple[np.ndarray, "DriftTrend", np.ndarray]:
         """(what the plan plans on, the state after it, [L] bool: the layers that use the
@@ -92,10 +96,14 @@ class DriftTrend:
         # windows: the same move in proportion), at least TREND_FLOOR of it, same tokens
         scale = np.divide(load.sum(-1, keepdims=True), window.sum(-1, keepdims=True),
                           out=np.ones((load.shape[0], 1)), where=window.sum(-1, keepdims=True) > 0)  # [L, 1]
-        moved = np.maximum(load + (trend - window) * scale, TREND_FLOOR * load)  # [L, N]
-        sums = moved.sum(-1, keepdims=True)
-        moved = np.divide(moved * load.sum(-1, keepdims=True), sums, out=load.copy(), where=sums > 0)
+        moved = _with_tokens_of(np.maximum(load + (trend - window) * scale, TREND_FLOOR * load), load)  # [L, N]
         return np.where(use[:, None], moved, load), replace(self, last=(trend, window, use)), use
+
+
+def _with_tokens_of(pred: np.ndarray, like: np.ndarray) -> np.ndarray:  # [L, N], [L, N] -> [L, N]
+    """`pred` rescaled per layer to the tokens of `like` (`like` itself where `pred` has none)."""
+    sums = pred.sum(-1, keepdims=True)  # [L, 1]
+    return np.divide(pred * like.sum(-1, keepdims=True), sums, out=like.copy(), where=sums > 0)
 
 
 def _shares(load: np.ndarray) -> np.ndarray:  # [L, N] -> [L, N] per-layer shares (0 for an empty layer)

@@ -104,7 +104,8 @@ class RebalanceTargets:
             info["move_tolerance"] = tol
             keep = config.steady_windows if config.shift_threshold > 0 and SteadyMemory.applies(
                 config.window_size, config.rebalance_interval, config.load_decay) else 0
-            steady = window_is_new and not (shifted or drifting(config.move_tolerance, variation, window_noise))
+            drift = drifting(config.move_tolerance, variation, window_noise)
+            steady = window_is_new and not (shifted or drift)
             memory = SteadyMemory(keep, self.memory.windows)
             window = info["load"]  # [L, N]
             load, self.memory = memory.plan(window, steady)  # [L, N] the window (+ earlier ones)
@@ -113,7 +114,7 @@ class RebalanceTargets:
             trend = DriftTrend(_trend_on(config), self.trend.last)
             load, self.trend, used = trend.plan(window, load, info.get("moment"), n,
                                                 (n + config.rebalance_interval) / 2.0, window_is_new and not shifted,
-                                                drifting(config.move_tolerance, variation, window_noise))
+                                                drift)
             info["trend_layers"] = int(used.sum())
             info["load"] = load  # what the planner sees, and what the event's figures are on
             planned = self.planner.plan(load, placement, plan_group, move_tolerance=tol,
@@ -190,6 +191,5 @@ class RebalanceTargets:
 
 
 def _trend_on(config: EplbConfig) -> bool:
-    """Whether plans may use the window's trend (`trend.DriftTrend`): `drift_trend`,
-    with shift detection on (the shift-aware planning it belongs to) and plain sums."""
-    return bool(config.drift_trend) and config.shift_threshold > 0 and config.load_decay == 1
+    """Whether plans may use the window's trend (`trend.DriftTrend.applies`)."""
+    return DriftTrend.applies(config.drift_trend, config.shift_threshold, config.load_decay)
