@@ -233,18 +233,31 @@ def build() -> dict:
                  "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}}),
         8, 8)
 
-    # ---- state of the load window and the placement -------------------------------------
+    # ---- state of the load window, how plans are made, and the placement ----------------
     add(timeseries(
         "Load window fill",
         "Share of the planner's load window holding recorded steps: it reaches 100% "
         "window_size steps after start; a plan made before that sees less history.",
         [target(f"eplb_load_window_fill_ratio{{{SEL}}}", "{{job}}")],
-        "percentunit", min_=0, max_=1), 12, 7)
+        "percentunit", min_=0, max_=1), 8, 7)
+    how = timeseries(
+        "How the last plan was made",
+        "Share of the layers the last planned rebalance planned with earlier steady windows "
+        "(a steady load: more tokens, less routing noise) or on the window's drift trend (a "
+        "drifting load), and the move tolerance it used (right axis: the config's on a steady "
+        "load, 0 after a load shift or on a drift). All 0 on a load that shifts.",
+        [target(f"eplb_rebalance_layers_ratio{{{SEL}}}", "{{basis}}", "A"),
+         target(f"eplb_rebalance_move_tolerance{{{SEL}}}", "move tolerance", "B")],
+        "percentunit", min_=0,
+        overrides=[{"matcher": {"id": "byFrameRefID", "options": "B"},
+                    "properties": [{"id": "unit", "value": "none"},
+                                   {"id": "custom.axisPlacement", "value": "right"}]}])
+    add(how, 8, 7)
     add(timeseries(
         "Placement age",
         "Seconds since the current placement was committed (resets at every rebalance).",
         [target(f"eplb_placement_age_seconds{{{SEL}}}", "{{job}}")],
-        "s", min_=0), 12, 7)
+        "s", min_=0), 8, 7)
 
     # ---- opt-in: load per layer and GPU (eplb_gpu_layer_load_tokens, L x M series) -------
     # Grafana's heatmap panel always has time on its x axis; a layer x GPU heatmap at the

@@ -17,7 +17,7 @@ METRICS = {
     "eplb_rebalances_total", "eplb_rebalance_duration_seconds", "eplb_experts_moved_total",
     "eplb_bytes_moved_total", "eplb_rebalance_balancedness_ratio", "eplb_expert_replicas",
     "eplb_load_window_fill_ratio", "eplb_placement_age_seconds", "eplb_steps_total", "eplb_info",
-    "eplb_gpu_layer_load_tokens",
+    "eplb_gpu_layer_load_tokens", "eplb_rebalance_layers_ratio", "eplb_rebalance_move_tolerance",
 }
 
 

@@ -138,6 +138,14 @@ def test_replay_on_a_drift_plans_on_the_trend_and_serves_it_better():
     # the same plans until the trend has predicted once, then better balance out of sample
     served = {on: float(runs[on].policies["default"].scored.mean()) for on in runs}
     assert served[True] < served[False] - 0.005, served
+    # the records say which plans used the trend: none with it off; with it on, the first
+    # plan that says so is the first whose moves differ from the plan off (the same load
+    # until then)
+    assert not any(r.trend_layers for r in recs[False])
+    on = [i for i, r in enumerate(recs[True]) if r.trend_layers]
+    moves = {k: [(r.slots_changed, r.experts_moved, r.predicted) for r in v] for k, v in recs.items()}
+    assert on and on[0] == next(i for i, (a, b) in enumerate(zip(moves[True], moves[False])) if a != b), \
+        [r.to_dict() for r in recs[True]]
     # off, or without shift detection: the window alone, as before this setting existed
     off = simulate(trace, 8, 24, 4, 4, min_gain=0.0, shift_threshold=0.0, oracle=False, drift_trend=True)
     ref = simulate(trace, 8, 24, 4, 4, min_gain=0.0, shift_threshold=0.0, oracle=False, drift_trend=False)
@@ -152,10 +160,12 @@ def _trend_body(rank, world):
     trend over), elsewhere the window itself."""
     import test_shift
     from test_shift import L, N, _physical, _runtime
+    from eplb.ops.metrics import EplbMetrics
 
     device = device_for(rank)
     rt = _runtime(dist.group.WORLD, device, 0.05)
-    fed, steps_at = {}, {}
+    metrics = EplbMetrics(rt, interval=5)
+    fed, steps_at, gauges = {}, {}, {}
     for step in range(1, 41):
         load = 10.0 + 400.0 * np.exp(-0.5 * (np.arange(N) - step / 5.0) ** 2)[None].repeat(L, 0)  # [L, N]
         phys = _physical(rt, load, rank)  # [L, P] under the placement in force
@@ -167,6 +177,9 @@ def _trend_body(rank, world):
         rt.finish_rebalance()  # each plan done before the next step: a plan's window is known
         for _ in rt.events[before:]:
             steps_at[len(steps_at)] = step
+        if len(rt.events) > before:  # the gauges of the last planned rebalance
+            gauges[len(rt.events) - 1] = (metrics.value("eplb_rebalance_layers_ratio", basis="drift_trend"),
+                                          metrics.value("eplb_rebalance_move_tolerance"))
     rt.close()
     used = [i for i, e in enumerate(rt.events) if e.trend_layers]
     assert used, [(e.step, e.trigger, e.move_tolerance, e.trend_layers) for e in rt.events]
@@ -177,6 +190,7 @@ def _trend_body(rank, world):
     if rank != 0:
         return
     assert len(test_shift.LOADS) == len(rt.events)  # every rebalance planned, in order
+    TOLERANCES = test_shift.TOLERANCES
     for i in used:
         s = steps_at[i]
         window = np.stack([2 * fed[t] for t in range(s - 3, s + 1)])  # [4, L, N] both ranks
@@ -188,6 +202,8 @@ def _trend_body(rank, world):
         moved *= total.sum(1, keepdims=True) / moved.sum(1, keepdims=True)
         on_trend = [not np.array_equal(seen[layer], total[layer]) for layer in range(L)]
         assert sum(on_trend) == rt.events[i].trend_layers
+        assert gauges[i][0] == sum(on_trend) / L, (i, gauges[i], on_trend)
+        assert gauges[i][1] == TOLERANCES[i], (i, gauges[i], TOLERANCES[i])  # what the policy was given
         for layer in np.flatnonzero(on_trend):
             np.testing.assert_allclose(seen[layer], moved[layer], rtol=1e-9)
 

@@ -33,6 +33,8 @@ EXPECTED = {
     "eplb_experts_moved_total": ("counter", set()),
     "eplb_bytes_moved_total": ("counter", set()),
     "eplb_rebalance_balancedness_ratio": ("gauge", {"when"}),
+    "eplb_rebalance_layers_ratio": ("gauge", {"basis"}),
+    "eplb_rebalance_move_tolerance": ("gauge", set()),
     "eplb_expert_replicas": ("gauge", {"layer", "expert"}),
     "eplb_gpu_layer_load_tokens": ("gauge", {"layer", "gpu"}),
     "eplb_load_window_fill_ratio": ("gauge", set()),

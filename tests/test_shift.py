@@ -254,6 +254,8 @@ def test_replay_forgets_the_steady_windows_at_a_shift():
         spans = (spans + [window])[-2:] if steady else []
         load = sum(trace[lo:hi].sum(0) for lo, hi in used)
         seen.append((s, min(lo for lo, _ in used)))
+        assert blk.record.steady_layers == (2 if len(used) > 1 else 0), (s, blk.record.to_dict())  # both layers
+        assert blk.record.to_dict()["steady_layers"] == blk.record.steady_layers
         assert blk.placement == blk.previous or blk.placement == plan(
             load, 8, 24, previous=blk.previous, move_tolerance=blk.record.move_tolerance)
     # before the shift the steady plans add earlier windows; from the early plan on, only
@@ -266,15 +268,20 @@ def test_steady_memory_rules():
     w = np.ones((2, 4))
     m = SteadyMemory(2)
     for k in (1, 2, 3):
-        _, m = m.plan(k * w, True)
+        _, m, used = m.plan(k * w, True)
+        assert used.tolist() == [k > 1] * 2  # the first plan has nothing to add
     assert [x[0, 0] for x in m.windows] == [2, 3]  # the last two
-    load, after = m.plan(w, True)
+    load, after, used = m.plan(w, True)
     np.testing.assert_array_equal(load, 6 * w)
+    assert used.tolist() == [True, True]
     assert [x[0, 0] for x in after.windows] == [3, 1]
-    load, after = m.plan(w, False)
+    load, after, used = m.plan(w, False)
     np.testing.assert_array_equal(load, w)
-    assert after.windows == ()  # not steady: forgotten
+    assert after.windows == () and not used.any()  # not steady: forgotten
     assert SteadyMemory(0).plan(w, True)[1].windows == ()  # off
+    # a layer without remembered tokens adds nothing, so it is not counted as using them
+    z = np.stack([np.ones(4), np.zeros(4)])  # [2, 4]
+    assert SteadyMemory(2, (z,)).plan(w, True)[2].tolist() == [True, False]
     assert SteadyMemory.applies(1000, 3000, 1.0) and SteadyMemory.applies(4, 4, 1.0)
     assert not SteadyMemory.applies(5, 4, 1.0) and not SteadyMemory.applies(4, 4, 0.99)
     assert not SteadyMemory.applies(4, 0, 1.0)  # no schedule: nothing to add up
@@ -295,8 +302,9 @@ def test_same_traffic_passes_draws_of_the_same_shares_and_refuses_moved_ones():
     # a layer that moved is forgotten, the others kept
     w = np.stack([draw(shares[:1], 50_000)[0], draw(moved[1:2] / moved[1].sum(), 50_000)[0]])  # [2, 64]
     m = SteadyMemory(2, (memory[:2],))
-    load, after = m.plan(w, True)
+    load, after, used = m.plan(w, True)
     np.testing.assert_array_equal(load, w + np.stack([memory[0], np.zeros(64)]))
+    assert used.tolist() == [True, False]
     np.testing.assert_array_equal(after.windows[0], np.stack([memory[0], np.zeros(64)]))
 
 
@@ -392,16 +400,34 @@ def _hot(experts) -> np.ndarray:  # [L, N]
 
 
 def _shift_body(rank, world, threshold):
+    from eplb.ops.metrics import EplbMetrics
+
     device = device_for(rank)
     rt = _runtime(dist.group.WORLD, device, threshold)
-    triggers = []
+    metrics = EplbMetrics(rt, interval=4)
+    triggers, gauges = [], []
     for step in range(1, 25):
         load = _hot([4, 5]) if step <= 16 else _hot([0, 6]) if step <= 19 else _hot([1, 3])
         rt.expert_load_pass.copy_(_physical(rt, load, rank).to(device))
         event = rt.step()
         if event is not None:
             triggers.append((step, event.trigger))
+            gauges.append(tuple(metrics.value(name, **labels) for name, labels in (
+                ("eplb_rebalance_layers_ratio", {"basis": "steady_windows"}),
+                ("eplb_rebalance_layers_ratio", {"basis": "drift_trend"}),
+                ("eplb_rebalance_move_tolerance", {}))))
     rt.close()
+    # the layers planned on earlier steady windows: only the steady plan at 16 had one (the
+    # window of the plan at 8, both layers: LOADS[1] below), none after the shift
+    assert [e.steady_layers for e in rt.events] == ([0, 0, 0] if not threshold else [0, L, 0, 0])
+    assert all(e.summary()["steady_layers"] == e.steady_layers for e in rt.events)
+    if threshold:
+        assert f", earlier steady windows in {L} of {L} layers" in rt.events[1].describe(), rt.events[1].describe()
+    assert "earlier steady windows" not in rt.events[0].describe()
+    # the metrics of the last planned rebalance, read as each one finished
+    want_tol = [0.03, 0.03, 0.0, 0.0] if threshold else [0.03, 0.03, 0.03]
+    want_steady = [0.0, 1.0, 0.0, 0.0] if threshold else [0.0, 0.0, 0.0]
+    assert gauges == [(s, 0.0, t) for s, t in zip(want_steady, want_tol)], gauges
     if threshold:
         # steady until 16 (plans at 8 and 16), the shift at 17 seen at the check of step 18,
         # one early rebalance only: the next shift (20) waits for the schedule (24)

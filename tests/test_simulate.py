@@ -284,6 +284,38 @@ def test_cli_notes_a_trace_of_shares_hides_shifts(tmp_path, capsys):
     assert notes == [True, False, False]
 
 
+def test_cli_says_how_shift_aware_planning_planned(tmp_path, capsys):
+    """A domain change at step 12 of a steady trace: the line under the table gives the
+    early rebalances, the plans with move tolerance 0 and the share of layer plans on
+    earlier steady windows and on the drift trend, each counted here from the JSON's
+    rebalance records; shift detection off prints no such line."""
+    import re
+
+    rng = np.random.default_rng(4)
+    a, b = rng.lognormal(0, 1.5, (2, 16)), rng.lognormal(0, 1.5, (2, 16))
+    trace = np.array([[rng.multinomial(20000, p / p.sum()) for p in (a if t < 12 else b)]
+                      for t in range(24)], float)  # [24, 2, 16]
+    path, out_json = tmp_path / "shift.npy", tmp_path / "sim.json"
+    np.save(path, trace)
+    base = ["simulate", str(path), "--num-gpus", "8", "--num-slots", "24", "--window-size", "4",
+            "--rebalance-interval", "4", "--min-gain", "0", "--no-oracle"]
+    code, out, err = run_main(base + ["--json", str(out_json)], capsys)
+    assert code == 0, err
+    (line,) = [x for x in out.splitlines() if x.startswith("default: ")]
+    got = re.fullmatch(r"default: (\d+) early rebalances? after a load shift; (\d+) of (\d+) plans with move "
+                       r"tolerance 0 \(a shift or a drift\); layers planned with earlier steady windows (\d+)%, "
+                       r"on the drift trend (\d+)%", line)
+    assert got, line
+    recs = json.loads(out_json.read_text())["policies"]["default"]["rebalances"]
+    want = (sum(r["early"] for r in recs), sum(r["move_tolerance"] == 0 for r in recs), len(recs),
+            round(100 * np.mean([r["steady_layers"] for r in recs]) / 2),
+            round(100 * np.mean([r["trend_layers"] for r in recs]) / 2))
+    assert tuple(int(x) for x in got.groups()) == want, (line, want)
+    assert want[0] == 1 and want[1] >= 1 and 0 < want[3] < 100  # a shift, and steady plans before it
+    code, out, err = run_main(base + ["--shift-threshold", "0"], capsys)
+    assert code == 0 and not [x for x in out.splitlines() if x.startswith("default: ")], out
+
+
 def test_cli_plot_without_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

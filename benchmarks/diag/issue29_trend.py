@@ -75,7 +75,7 @@ def patch() -> None:
         return plan_tolerance(shifted, move_tolerance, variation, window_noise)
 
     def patched_memory_plan(self, window, steady):
-        load, memory = memory_plan(self, window, steady)
+        load, memory, used = memory_plan(self, window, steady)
         trace, step, w = STATE["trace"]
         shifted, drift = STATE["last"]
         steps = trace[max(0, step - w):step]  # [W, L, N] the window's steps
@@ -84,7 +84,7 @@ def patch() -> None:
         scheduled = steps.shape[0] == w and np.allclose(steps.sum(0), window)
         if STATE["variant"] == "off" or not scheduled or shifted or not drift:
             STATE["prev"] = None
-            return load, memory
+            return load, memory, used
         pred = trend(steps, (w + w) / 2.0)  # [L, N] window == interval in this replay
         use = np.ones(pred.shape[0], dtype=bool)  # [L]
         if STATE["variant"] == "trend-skill":
@@ -96,7 +96,7 @@ def patch() -> None:
                 use = np.abs(_shares(prev[0]) - got).sum(-1) < np.abs(_shares(prev[1]) - got).sum(-1)
         STATE["prev"] = (pred, steps.sum(0))
         STATE["fired"] += int(use.any())
-        return np.where(use[:, None], pred, load), memory
+        return np.where(use[:, None], pred, load), memory, used
 
     def patched_replay(trace, initial, steps, window, name, *args, **kwargs):
         STATE["prev"] = None

@@ -249,20 +249,24 @@ class SteadyMemory:
         `decay`, can be added up: disjoint (window <= interval) and plain sums."""
         return interval > 0 and window <= interval and decay == 1.0
 
-    def plan(self, window: np.ndarray, steady: bool) -> tuple[np.ndarray, "SteadyMemory"]:
-        """(what a scheduled plan on `window [L, N]` plans on, the memory after it). Not
-        `steady` (a shift, a drift): the window alone, and everything is forgotten. Steady:
-        the window plus the remembered windows of the layers whose window shows the same
-        traffic (`same_traffic`), the others forgetting theirs; the window joins them."""
+    def plan(self, window: np.ndarray, steady: bool) -> tuple[np.ndarray, "SteadyMemory", np.ndarray]:
+        """(what a scheduled plan on `window [L, N]` plans on, the memory after it, [L] bool:
+        the layers that add earlier windows). Not `steady` (a shift, a drift): the window
+        alone, and everything is forgotten. Steady: the window plus the remembered windows
+        of the layers whose window shows the same traffic (`same_traffic`), the others
+        forgetting theirs; the window joins them."""
         window = np.asarray(window, dtype=np.float64)
+        used = np.zeros(window.shape[0], dtype=bool)  # [L]
         if not steady or self.keep == 0:
-            return window, replace(self, windows=())
+            return window, replace(self, windows=()), used
         kept = self.windows
         if kept:
-            same = same_traffic(window, np.sum(kept, axis=0))[:, None]  # [L, 1]
-            kept = tuple(w * same for w in kept)
+            remembered = np.sum(kept, axis=0)  # [L, N]
+            same = same_traffic(window, remembered)  # [L]
+            kept = tuple(w * same[:, None] for w in kept)
+            used = same & (remembered.sum(-1) > 0)
         load = window + np.sum(kept, axis=0) if kept else window
-        return load, replace(self, windows=(kept + (window,))[-self.keep:])
+        return load, replace(self, windows=(kept + (window,))[-self.keep:]), used
 
 
 def same_traffic(window: np.ndarray, memory: np.ndarray, sigmas: float = 3.0) -> np.ndarray:  # [L] bool

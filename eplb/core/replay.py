@@ -41,6 +41,8 @@ class RebalanceRecord:
     shifted: bool = False  # a load shift was detected: planned with move tolerance 0
     early: bool = False  # an early rebalance between the scheduled ones (after a shift)
     move_tolerance: float | None = None  # what it planned with (0 after a shift or on a drift); None: not recorded
+    steady_layers: int = 0  # layers planned with earlier steady windows (`SteadyMemory`)
+    trend_layers: int = 0  # layers planned on the window's trend (`DriftTrend`)
 
     def to_dict(self) -> dict:
         return {"step": self.step, "slots_changed": self.slots_changed,
@@ -48,7 +50,8 @@ class RebalanceRecord:
                 "bytes_moved": self.bytes_moved, "seconds_plan": self.seconds_plan,
                 "predicted_imbalance": self.predicted, "predicted_gain": self.predicted_gain,
                 "skipped": self.skipped, "shifted": self.shifted, "early": self.early,
-                "move_tolerance": self.move_tolerance}
+                "move_tolerance": self.move_tolerance, "steady_layers": self.steady_layers,
+                "trend_layers": self.trend_layers}
 
 
 def rebalance_steps(num_steps: int, interval: int, start: int) -> list[int]:
@@ -196,9 +199,10 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
         drift = drifting(tolerance, variation, window_noise)
         steady = not (shifted or early or drift)
         window = load  # [L, N]
-        load, memory = memory.plan(window, steady)  # [L, N] the window, plus earlier ones when steady
+        load, memory, remembered = memory.plan(window, steady)  # [L, N] the window, plus earlier ones when steady
         # the window's trend, in the layers where the last one predicted well (a drift)
-        load, trend, _ = trend.plan(window, load, moment, steps, (steps + gap) / 2.0, not (shifted or early), drift)
+        load, trend, on_trend = trend.plan(window, load, moment, steps, (steps + gap) / 2.0, not (shifted or early),
+                                           drift)
         planned = plan(load, M, P, policy=name, previous=current, **dict(plan_kwargs, move_tolerance=tol))
         move, gain = worth_moving(current, planned, load, min_gain)
         new = planned if move else current
@@ -206,7 +210,8 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
         st = transfer_stats(current.physical_to_logical, new.physical_to_logical, M, bytes_per_expert)
         balance = new.balancedness(load)  # [L] mean / max GPU load on the window planned on
         rec = RebalanceRecord(s, st.slots_changed, st.experts_moved, st.local_copies, st.bytes_moved,
-                              seconds, float(np.mean(1.0 / balance)), gain, not move, shifted, early, tol)
+                              seconds, float(np.mean(1.0 / balance)), gain, not move, shifted, early, tol,
+                              int(remembered.sum()), int(on_trend.sum()))
         made.append((s, new, current, rec, lead))  # (start, placement, previous, record, lead)
         since = s  # checks measure from the last plan on (applied or skipped), as the runtime
         current, state = new, state.planned(float(np.mean(balance)))

@@ -85,6 +85,13 @@ class PolicyResult:
                                      else float(np.mean([x.bytes_moved for x in r]))),
                 "plan_ms_median": float(1e3 * np.median([x.seconds_plan for x in r])),
                 "predicted_mean": float(np.mean([x.predicted for x in r])),
+                # how shift-aware planning planned (`replay_policy`): early rebalances after a
+                # shift, plans with move tolerance 0 (after a shift or on a drift), and the
+                # share of layer plans that added earlier steady windows or used the drift trend
+                "early": sum(x.early for x in r),
+                "tolerance_zero": sum(x.move_tolerance == 0.0 for x in r),
+                "steady_layer_share": float(np.mean([x.steady_layers for x in r]) / self.layer_imbalance.shape[1]),
+                "trend_layer_share": float(np.mean([x.trend_layers for x in r]) / self.layer_imbalance.shape[1]),
             })
         return out
 

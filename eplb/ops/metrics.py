@@ -44,6 +44,13 @@ Metric names (stable; the Grafana dashboard and alerting rules depend on them):
     eplb_bytes_moved_total                        bytes sent between ranks, all ranks
     eplb_rebalance_balancedness_ratio{when}       before|after (predicted) of the last rebalance
                                                   (skipped ones included)
+    eplb_rebalance_layers_ratio{basis}            share of the layers the last planned rebalance
+                                                  planned with earlier steady windows
+                                                  (basis steady_windows) or on the window's
+                                                  drift trend (basis drift_trend); a layer may
+                                                  be in both
+    eplb_rebalance_move_tolerance                 the move tolerance the last planned rebalance
+                                                  used (0 after a load shift or on a drift)
     eplb_expert_replicas{layer,expert}            opt-in (per_expert_replicas=True): L x N series
     eplb_load_window_fill_ratio                   steps in the planner's window / window size
     eplb_placement_age_seconds                    seconds since the placement last changed
@@ -77,6 +84,7 @@ TRIGGERS = ("interval", "request", "api", "initial", "shift")
 OUTCOMES = ("success", "failure", "skipped")
 PHASES = ("plan", "transfer", "commit", "total")
 WHEN = ("before", "after")
+BASES = ("steady_windows", "drift_trend")  # what a plan adds to its window (eplb_rebalance_layers_ratio)
 # rebalances take from about a millisecond (small CPU jobs) to minutes (large models)
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0, 60.0, 120.0, 300.0, float("inf"))
@@ -132,6 +140,13 @@ class EplbMetrics:
         self.rebalance_balancedness = Gauge(
             "eplb_rebalance_balancedness_ratio", "Balancedness of the last rebalance's window: "
             "measured before, predicted after (mean over layers).", ["when"], registry=r)
+        self.plan_layers = Gauge(
+            "eplb_rebalance_layers_ratio", "Share of the layers the last planned rebalance planned "
+            "with earlier steady windows (steady_windows) or on the window's drift trend (drift_trend).",
+            ["basis"], registry=r)
+        self.move_tolerance = Gauge(
+            "eplb_rebalance_move_tolerance", "Move tolerance the last planned rebalance used (the "
+            "config's, or 0 after a load shift or on a drifting load).", registry=r)
         self.replicas = Gauge(
             "eplb_expert_replicas", "Physical replicas of a logical expert.",
             ["layer", "expert"], registry=r) if per_expert_replicas else None
@@ -284,6 +299,11 @@ class EplbMetrics:
             self.bytes_moved.inc(max(0, int(event.bytes_moved)))
         self.rebalance_balancedness.labels("before").set(float(np.mean(event.balancedness_before)))
         self.rebalance_balancedness.labels("after").set(float(np.mean(event.balancedness_after)))
+        if event.move_tolerance is not None:  # planned (not a given placement): how
+            layers = max(1, len(event.balancedness_after))
+            self.plan_layers.labels("steady_windows").set(event.steady_layers / layers)
+            self.plan_layers.labels("drift_trend").set(event.trend_layers / layers)
+            self.move_tolerance.set(float(event.move_tolerance))
         self._set_replicas(event.placement)
 
     def _set_replicas(self, placement) -> None:

@@ -124,4 +124,23 @@ def format_table(result: SimulationResult) -> str:
         else:
             cells += [f"{'-':>{w}}" for w in (7, 7, 11, 6, 7, 6, 9, 8)]
         lines.append(" ".join(cells))
+    if result.config.get("shift_threshold", 0) > 0:
+        tol = result.config.get("move_tolerance", 0.0)
+        lines += [line for name, res in result.policies.items() if (line := planning_line(name, res, tol))]
     return "\n".join(lines)
+
+
+def planning_line(name: str, res: PolicyResult, move_tolerance: float) -> str:
+    """How shift-aware planning planned one policy's rebalances, e.g. `default: 1 early
+    rebalance after a load shift; 3 of 9 plans with move tolerance 0 (a shift or a drift);
+    layers planned with earlier steady windows 44%, on the drift trend 0%` ("" without
+    rebalances; the tolerance part only when the configured `move_tolerance` is above 0)."""
+    sm = res.summary()
+    if not sm["rebalances"]:
+        return ""
+    early = sm["early"]
+    zero = (f"{sm['tolerance_zero']} of {sm['rebalances']} plans with move tolerance 0 (a shift or a drift); "
+            if move_tolerance > 0 else "")
+    return (f"{name}: {early} early rebalance{'' if early == 1 else 's'} after a load shift; {zero}"
+            f"layers planned with earlier steady windows {100 * sm['steady_layer_share']:.0f}%, "
+            f"on the drift trend {100 * sm['trend_layer_share']:.0f}%")

@@ -95,6 +95,8 @@ class RebalanceEvent:
     # drifting load (`planning.plan_tolerance`); None when nothing was planned (a given
     # placement, or no load)
     move_tolerance: float | None = None
+    # layers the plan made on the window plus earlier steady windows (`planning.SteadyMemory`)
+    steady_layers: int = 0
     # layers the plan made on the window's trend (a drifting load, `trend.DriftTrend`)
     trend_layers: int = 0
 
@@ -104,7 +106,7 @@ class RebalanceEvent:
                   bytes_per_expert: int, seconds_plan: float, asynchronous: bool,
                   predicted_gain: float, skipped: bool, min_gain: float,
                   skip_reason: str = "", move_tolerance: float | None = None,
-                  trend_layers: int = 0) -> "RebalanceEvent":
+                  steady_layers: int = 0, trend_layers: int = 0) -> "RebalanceEvent":
         """The event of a finished change: its timers from `stats` (this rank's), what
         moved from `moved` (all ranks, `transfer_stats` of the two placements), the
         figures of the plan (`before`, `after` [L], gain, skip) from the caller."""
@@ -119,7 +121,7 @@ class RebalanceEvent:
             seconds_step_loop=stats.seconds_step_loop, max_step_loop_seconds=stats.max_step_loop,
             seconds_agree_wait=stats.seconds_agree_wait, predicted_gain=predicted_gain,
             skipped=skipped, min_gain=min_gain, skip_reason=skip_reason, move_tolerance=move_tolerance,
-            trend_layers=trend_layers)
+            steady_layers=steady_layers, trend_layers=trend_layers)
 
     @property
     def seconds(self) -> float:
@@ -135,8 +137,9 @@ class RebalanceEvent:
         0.868 -> 0.984 (predicted), 20 experts moved (0.98 MB) in 0.044 s, move tolerance 0.03`."""
         head = f"rebalance at step {self.step} ({self.trigger})"
         before = float(np.mean(self.balancedness_before))
-        trend = (f", drift trend in {self.trend_layers} of {len(self.balancedness_after)} layers"
-                 if self.trend_layers else "")
+        L = len(self.balancedness_after)
+        trend = ((f", earlier steady windows in {self.steady_layers} of {L} layers" if self.steady_layers else "")
+                 + (f", drift trend in {self.trend_layers} of {L} layers" if self.trend_layers else ""))
         if self.skipped:
             why = self.skip_reason or (
                 f"nothing to gain (predicted gain {self.predicted_gain:+.4f})"
@@ -165,5 +168,5 @@ class RebalanceEvent:
             "seconds_step_loop": self.seconds_step_loop,
             "max_step_loop_seconds": self.max_step_loop_seconds,
             "seconds_agree_wait": self.seconds_agree_wait, "move_tolerance": self.move_tolerance,
-            "trend_layers": self.trend_layers,
+            "steady_layers": self.steady_layers, "trend_layers": self.trend_layers,
         }

@@ -387,7 +387,8 @@ class EplbRuntime:
             bytes_per_expert=self.bytes_per_expert, seconds_plan=info.get("seconds_plan") or 0.0,
             asynchronous=info["asynchronous"], predicted_gain=float(info.get("predicted_gain", 0.0)),
             skipped=skipped, min_gain=self.config.min_gain, skip_reason=info.get("skip_reason", ""),
-            move_tolerance=info.get("move_tolerance"), trend_layers=int(info.get("trend_layers", 0)))
+            move_tolerance=info.get("move_tolerance"), steady_layers=int(info.get("steady_layers", 0)),
+            trend_layers=int(info.get("trend_layers", 0)))
         self.events.append(event)
         del self.events[:-self.MAX_EVENTS]  # the newest MAX_EVENTS: bounded memory in long jobs
         if self.rank == 0:

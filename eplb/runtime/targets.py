@@ -108,7 +108,8 @@ class RebalanceTargets:
             steady = window_is_new and not (shifted or drift)
             memory = SteadyMemory(keep, self.memory.windows)
             window = info["load"]  # [L, N]
-            load, self.memory = memory.plan(window, steady)  # [L, N] the window (+ earlier ones)
+            load, self.memory, remembered = memory.plan(window, steady)  # [L, N] the window (+ earlier ones)
+            info["steady_layers"] = int(remembered.sum())
             # the window's trend, in the layers where the last one predicted well (a drift)
             n = info.get("window_steps", 0)
             trend = DriftTrend(_trend_on(config), self.trend.last)
