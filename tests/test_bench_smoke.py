@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from _hf import require_transformers
 
 ROOT = Path(__file__).resolve().parents[1]

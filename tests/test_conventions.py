@@ -9,7 +9,6 @@ the reference model (`moe.MoEModel`):
 """
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

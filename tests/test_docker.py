@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 
 from _dist import free_port

@@ -24,7 +24,7 @@ require_transformers()
 from _dist import run_distributed  # noqa: E402
 
 from eplb import EplbConfig, EplbRuntime  # noqa: E402
-from moe.hf import expert_parallel, from_pretrained  # noqa: E402
+from moe.hf import expert_parallel  # noqa: E402
 from moe.hf.configs import ARCHITECTURES, tiny_model  # noqa: E402
 
 ATOL = 1e-5

@@ -16,7 +16,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from _hf import require_transformers

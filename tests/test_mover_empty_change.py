@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import pytest
 import torch.distributed as dist
 
 from _dist import assert_same_on_every_rank, run_distributed

@@ -6,7 +6,6 @@ by DeepSeek's own plan, and a small smooth-drift replay."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from eplb.core.planning import plan
 from eplb.core.policy.balanced.moves import transition

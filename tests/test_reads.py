@@ -350,7 +350,7 @@ def test_a_kept_layout_catches_up_with_deepseeks_cost_through_its_counts(seed):
 def test_nodes_and_tile_rows_0_keep_the_pass_without_the_catch_up():
     """The catch-up needs every expert in a row: with nodes (rows per node) the plan with
     tiles and a large tolerance keeps the previous placement, as without tiles."""
-    L, N, M, P, nodes, groups = 2, 64, 8, 72, 2, 4
+    L, M, P, nodes, groups = 2, 8, 72, 2, 4
     load = _loads(9, L=L)
     choices = M * 128 * 4.0
     prev = plan(load, M, P, nodes, groups)

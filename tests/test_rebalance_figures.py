@@ -29,7 +29,6 @@ import torch.distributed as dist
 from _dist import device_for, run_distributed
 from eplb.core.config import EplbConfig
 from eplb.ops.metrics import EplbMetrics
-from eplb.core.placement import Placement
 from eplb.core.planning import plan
 from eplb.runtime import EplbRuntime
 from eplb.ops.client import describe_status
@@ -241,7 +240,7 @@ def _figures_body(rank, world, mode):
     for ws, olds in zip(runtime.expert_weights, snapshot):
         for w, o in zip(ws, olds):
             assert torch.equal(w, o)
-    assert f"< min gain 0.9000" in small.describe()
+    assert "< min gain 0.9000" in small.describe()
     assert describe_status({"state": "done", "step": small.step, "result": small.summary()}) == (
         f"skipped at step {small.step}: predicted gain {small.predicted_gain:+.4f} < min gain "
         f"0.9000; balancedness {measured_balancedness(gpu).mean():.4f}, nothing moved")
