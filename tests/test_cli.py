@@ -222,7 +222,8 @@ def test_setting_flags_are_the_config_field_names():
 _DEMO_VALUES = {"window_size": 7, "rebalance_interval": 9, "num_redundant_experts": 4,
                 "policy": "deepseek", "min_gain": 0.2, "load_decay": 0.5, "move_tolerance": 0.1,
                 "weighted_replicas": True, "verify_transfers": True, "async_rebalance": True,
-                "transport": "ipc", "exchange_launch": "step"}
+                "transport": "ipc", "exchange_launch": "step", "shift_threshold": 0.2, "steady_windows": 3,
+                "drift_trend": False, "control_interval": 5}
 
 
 def test_demo_settings_reach_the_config():
@@ -236,7 +237,8 @@ def test_demo_settings_reach_the_config():
     argv = ["--experts", "8"]
     for action, field in demo:
         value = _DEMO_VALUES[field]
-        argv += [action.option_strings[0]] if value is True else [action.option_strings[0], str(value)]
+        argv += ([action.option_strings[0]] if value is True else [action.option_strings[0], "off"] if value is False
+                 else [action.option_strings[0], str(value)])
     a = build_parser().parse_args(argv)
     check_demo_arguments(a)
     config = setup(a, 2)[0]

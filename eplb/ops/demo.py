@@ -49,7 +49,9 @@ def setup(a: argparse.Namespace, world: int):
                         async_rebalance=a.async_rebalance, min_gain=a.min_gain,
                         load_decay=a.load_decay, move_tolerance=a.move_tolerance,
                         weighted_replicas=a.weighted_replicas, verify_transfers=a.verify_transfers,
-                        transport=a.transport, exchange_launch=a.exchange_launch)
+                        transport=a.transport, exchange_launch=a.exchange_launch,
+                        shift_threshold=a.shift_threshold, steady_windows=a.steady_windows,
+                        drift_trend=a.drift_trend, control_interval=a.control_interval)
     config.verify(a.experts, world)  # config errors first: they name the EPLB fields
     if a.model:  # the transformers model is built on the ranks (eplb.ops.demo_hf)
         return config, None, None
@@ -197,7 +199,9 @@ def run(a: argparse.Namespace) -> int:
                 "balancedness_before": event.balancedness_before.round(5).tolist(),
                 "balancedness_after_predicted": event.balancedness_after.round(5).tolist(),
             }
-            rec["rebalance"].update(skipped=event.skipped, predicted_gain=event.predicted_gain)
+            rec["rebalance"].update(skipped=event.skipped, predicted_gain=event.predicted_gain,
+                                    move_tolerance=event.move_tolerance, steady_layers=event.steady_layers,
+                                    trend_layers=event.trend_layers)  # how it was planned
             line = demo_line(step, event)
             if a.verify:
                 diff, bad = job.verify()

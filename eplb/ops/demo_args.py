@@ -15,6 +15,13 @@ from eplb.core.config import LAUNCH_MODES, TRANSPORTS, EplbConfig
 from eplb.ops.settings_args import Setting
 
 
+def on_off(value: str) -> bool:
+    """argparse type of an on/off switch: "on" -> True, "off" -> False."""
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+    return value == "on"
+
+
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments shared by `eplb demo` and `python -m eplb.ops.demo`."""
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -61,6 +68,19 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {EplbConfig.move_tolerance:g})")
     p.add_argument("--weighted-replicas", action="store_true",
                    help="let the planner give replicas unequal shares of their expert's tokens")
+    p.add_argument("--shift-threshold", type=float, default=EplbConfig.shift_threshold, metavar="G",
+                   help="shift-aware rebalancing: a drop of the placement in force below its plan's "
+                        "predicted balancedness by more than G beyond the noise re-plans with move "
+                        f"tolerance 0 and may rebalance early (default {EplbConfig.shift_threshold:g}; 0 = off)")
+    p.add_argument("--steady-windows", type=int, default=EplbConfig.steady_windows, metavar="K",
+                   help="with shift detection on: a plan on a steady load adds up to K earlier windows "
+                        f"to its own (default {EplbConfig.steady_windows}; 0 = the window alone)")
+    p.add_argument("--drift-trend", type=on_off, default=EplbConfig.drift_trend, metavar="on|off",
+                   help="with shift detection on: plans on a drifting load follow the window's trend "
+                        f"where it predicted well (default {'on' if EplbConfig.drift_trend else 'off'})")
+    p.add_argument("--control-interval", type=int, default=EplbConfig.control_interval, metavar="C",
+                   help="steps between the ranks' checks for requested rebalances and load shifts "
+                        f"(default {EplbConfig.control_interval}; 0 = never)")
     p.add_argument("--verify-transfers", action="store_true",
                    help="checksum every moved slot against its expert before committing a layer")
     p.add_argument("--transport", choices=TRANSPORTS, default=EplbConfig.transport,
