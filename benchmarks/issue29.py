@@ -9,7 +9,8 @@ spare slot per GPU, decode 128 and prefill 4,096 tokens per GPU) over:
 - the shared traces of benchmarks/scale.py (`esft`, `olmoe`) on DeepSeek-V3 and Qwen3-235B
   shapes (64-expert traces stacked to 256 and 128 experts; Qwen3 up to EP 128);
 - synthetic families (256 experts, 4 layers, 40 steps, each step 2**17 token-expert
-  choices per layer drawn from the step's shares, seed 29;
+  choices per layer drawn from the step's shares, seed 29; drawn with 128 experts for
+  Qwen3-235B;
   `--family-seed` draws other members of the families):
   `shift-zipf` (Zipf 1.0 popularity whose expert order is redrawn every 8 steps: a domain
   change at every second rebalance), `shift-lognormal` (lognormal(0, 1), redrawn every 12
@@ -113,7 +114,7 @@ def _plans(model: str, name: str, M: int, shift: float, plans: Path | None, pres
     f = None if plans is None else _plan_file(plans, model, name, M, shift, preset)
     if f is not None and f.exists():
         return _load(f, M, shape)
-    loads = _all_loads()[name]
+    loads = _trace(model, name)
     P = shape.num_experts + M
     out = {}
     for label, thr in (("shift", shift), ("noshift", 0.0)):
@@ -185,6 +186,7 @@ def _load(f: Path, M: int, shape) -> dict:
 
 
 _LOADS: dict = {}
+_DRAWN: dict = {}  # (experts, family seed) -> the families drawn with that many experts
 
 
 SHARED_DIR = [SHARED]  # --shared: where the shared traces are (olmoe is left out without them)
@@ -199,21 +201,36 @@ SYNTHETIC = ("shift-zipf", "shift-lognormal", "steady-lognormal", "drift")
 
 
 def _all_loads() -> dict[str, np.ndarray]:
+    """The shared traces, and the families drawn with 256 experts (DeepSeek-V3's)."""
     if not _LOADS:
         _LOADS.update(shared_traces(SHARED_DIR[0]))
         _LOADS.update(synthetic(seed=FAMILIES[0]))
     return _LOADS
 
 
+def _trace(model: str, name: str) -> np.ndarray:  # [T, L, N]
+    """The load `model` is replayed on: a shared trace as it is (stacked to the model's
+    experts by the replay), a family drawn with the model's experts (256: the draws above;
+    Qwen3-235B's 128: the same families drawn with 128, cached)."""
+    N = MODEL_PRESETS[model].num_experts
+    if name not in SYNTHETIC or N == 256:
+        return _all_loads()[name]
+    key = (N, FAMILIES[0])
+    if key not in _DRAWN:
+        _DRAWN[key] = synthetic(N=N, seed=FAMILIES[0])
+    return _DRAWN[key][name]
+
+
 def configs(eps, models, names) -> list[tuple[str, str, int]]:
-    """(model, trace, EP) of the run: traces whose experts divide the model's, EP sizes that
-    divide its experts (Qwen3's 128 at EP 256 would need N + 256 slots on 256 GPUs)."""
+    """(model, trace, EP) of the run: traces whose experts divide the model's (the families
+    are drawn with the model's), EP sizes that divide its experts (Qwen3's 128 at EP 256
+    would need N + 256 slots on 256 GPUs)."""
     loads = _all_loads()
     missing = [n for n in names if n not in loads]
     if missing:
         print(f"left out (no such trace here: see --shared): {', '.join(missing)}", flush=True)
     return [(m, n, M) for m in models for n in names if n in loads
-            if MODEL_PRESETS[m].num_experts % loads[n].shape[-1] == 0 for M in eps
+            if MODEL_PRESETS[m].num_experts % _trace(m, n).shape[-1] == 0 for M in eps
             if MODEL_PRESETS[m].num_experts % M == 0]  # N + M slots must divide over M GPUs
 
 

@@ -579,6 +579,28 @@ def test_bench_issue29_family_seed_draws_other_members(tmp_path, monkeypatch):
     assert np.array_equal(issue29._all_loads()["shift-zipf"], other["shift-zipf"])
 
 
+def test_bench_issue29_families_are_drawn_with_the_models_experts(monkeypatch):
+    """benchmarks/issue29.py: Qwen3-235B (128 experts) replays the families drawn with 128
+    experts (same shapes otherwise, 2**17 choices a step), DeepSeek-V3 the 256-expert draws
+    as before; both models get every family, Qwen3 up to EP 128."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import issue29
+
+    monkeypatch.setattr(issue29, "_LOADS", {})
+    monkeypatch.setattr(issue29, "_DRAWN", {})
+    monkeypatch.setattr(issue29, "SHARED_DIR", [ROOT / "no-such-dir"])  # the families alone
+    small = issue29.synthetic(N=128)
+    for name in issue29.SYNTHETIC:
+        q = issue29._trace("qwen3-235b", name)
+        assert q.shape == (40, 4, 128) and np.all(q.sum(-1) == 2 ** 17)
+        assert np.array_equal(q, small[name])
+        assert np.array_equal(issue29._trace("deepseek-v3", name), issue29.synthetic()[name])
+    got = issue29.configs([8, 128, 256], ["deepseek-v3", "qwen3-235b"], list(issue29.SYNTHETIC))
+    assert sorted({(m, M) for m, _, M in got}) == [("deepseek-v3", 8), ("deepseek-v3", 128), ("deepseek-v3", 256),
+                                                    ("qwen3-235b", 8), ("qwen3-235b", 128)]
+    assert len(got) == 5 * len(issue29.SYNTHETIC)
+
+
 def test_cli_read_tokens_reaches_the_plans(tmp_path, capsys):
     """`--read-tokens` (decode-aware packing) is set against each EP size's token-expert
     choices per step, shown in the header, and changes the default's plans; without
