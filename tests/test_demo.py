@@ -262,3 +262,29 @@ def test_sigterm_to_the_launcher_stops_its_ranks(tmp_path):
         for p in pids:
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_demo_line_names_the_trigger_and_how_the_plan_was_made():
+    """The demo's line: a rebalance off the schedule names its trigger; move tolerance 0
+    (only where the config's is above 0), steady windows and the drift trend are said at
+    the end, with the counts the event carries; an ordinary one reads as before."""
+    from eplb.core.placement import Placement
+    from eplb.ops.demo import demo_line
+    from eplb.runtime import RebalanceEvent
+
+    def event(**kw):
+        d = dict(step=9, trigger="interval", balancedness_before=np.full(4, 0.8),
+                 balancedness_after=np.full(4, 0.95), experts_moved=12, local_copies=0, slots_changed=12,
+                 bytes_moved=3_000_000, seconds_plan=0.01, seconds_transfer=0.02, seconds_commit=0.001,
+                 placement=Placement.initial(4, 8, 12, 2), move_tolerance=0.03)
+        d.update(kw)
+        return RebalanceEvent(**d)
+
+    plain = ("step    10 rebalance: balancedness 0.800 -> 0.950 (predicted), 12 experts moved, 3.00 MB, "
+             "31.0 ms")
+    assert demo_line(9, event(), 0.03) == plain
+    assert demo_line(9, event(trigger="shift", move_tolerance=0.0), 0.03) == \
+        plain.replace("rebalance:", "rebalance (shift):") + ", move tolerance 0"
+    assert demo_line(9, event(move_tolerance=0.0), 0.0) == plain  # the config's own tolerance: nothing to say
+    assert demo_line(9, event(steady_layers=3, trend_layers=1), 0.03) == \
+        plain + ", earlier steady windows in 3 of 4 layers, drift trend in 1 of 4 layers"

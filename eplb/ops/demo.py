@@ -202,7 +202,7 @@ def run(a: argparse.Namespace) -> int:
             rec["rebalance"].update(skipped=event.skipped, predicted_gain=event.predicted_gain,
                                     move_tolerance=event.move_tolerance, steady_layers=event.steady_layers,
                                     trend_layers=event.trend_layers)  # how it was planned
-            line = demo_line(step, event)
+            line = demo_line(step, event, runtime.config.move_tolerance)
             if a.verify:
                 diff, bad = job.verify()
                 t = torch.tensor([diff, float(bad)], dtype=torch.float64, device=device)
@@ -245,15 +245,22 @@ def run(a: argparse.Namespace) -> int:
     return 0
 
 
-def demo_line(step: int, event) -> str:
-    """The demo's line for a rebalance event (`step` counts from 0, the line from 1)."""
+def demo_line(step: int, event, move_tolerance: float = 0.0) -> str:
+    """The demo's line for a rebalance event (`step` counts from 0, the line from 1). A
+    rebalance not on the schedule names its trigger ("rebalance (shift)": early, after a
+    load shift); a plan made with move tolerance 0 where the config's `move_tolerance` is
+    above 0 (a shift or a drift), on earlier steady windows or on the drift trend says so
+    at the end."""
+    head = f"step {step + 1:5d} rebalance" + ("" if event.trigger == "interval" else f" ({event.trigger})")
     if event.skipped:
-        return f"step {step + 1:5d} rebalance " + event.describe().split(") ", 1)[1]
-    return (f"step {step + 1:5d} rebalance: balancedness {event.balancedness_before.mean():.3f}"
+        return f"{head} " + event.describe().split(") ", 1)[1]
+    return (f"{head}: balancedness {event.balancedness_before.mean():.3f}"
             f" -> {event.balancedness_after.mean():.3f} (predicted), "
             f"{event.experts_moved} experts moved, {event.bytes_moved / 1e6:.2f} MB, "
             f"{event.seconds * 1e3:.1f} ms"
-            + (f" over {event.steps_in_flight} steps" if event.steps_in_flight else ""))
+            + (f" over {event.steps_in_flight} steps" if event.steps_in_flight else "")
+            + (", move tolerance 0" if event.move_tolerance == 0 and move_tolerance > 0 else "")
+            + event.layers_note())
 
 
 def start_metrics(a: argparse.Namespace, runtime: EplbRuntime, device: torch.device):

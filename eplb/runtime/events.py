@@ -137,9 +137,7 @@ class RebalanceEvent:
         0.868 -> 0.984 (predicted), 20 experts moved (0.98 MB) in 0.044 s, move tolerance 0.03`."""
         head = f"rebalance at step {self.step} ({self.trigger})"
         before = float(np.mean(self.balancedness_before))
-        L = len(self.balancedness_after)
-        trend = ((f", earlier steady windows in {self.steady_layers} of {L} layers" if self.steady_layers else "")
-                 + (f", drift trend in {self.trend_layers} of {L} layers" if self.trend_layers else ""))
+        trend = self.layers_note()
         if self.skipped:
             why = self.skip_reason or (
                 f"nothing to gain (predicted gain {self.predicted_gain:+.4f})"
@@ -152,6 +150,13 @@ class RebalanceEvent:
                 + (f" over {self.steps_in_flight} steps" if self.steps_in_flight else "")
                 + (f", move tolerance {self.move_tolerance:g}" if self.move_tolerance is not None else "")
                 + trend)
+
+    def layers_note(self) -> str:
+        """", earlier steady windows in K of L layers, drift trend in K of L layers" (each part
+        only when K > 0): what the plan added to its window (`describe`, the demo's line)."""
+        L = len(self.balancedness_after)
+        return ((f", earlier steady windows in {self.steady_layers} of {L} layers" if self.steady_layers else "")
+                + (f", drift trend in {self.trend_layers} of {L} layers" if self.trend_layers else ""))
 
     def summary(self) -> dict:
         """JSON-ready figures of this rebalance (no placement)."""
