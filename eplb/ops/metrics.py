@@ -301,8 +301,8 @@ class EplbMetrics:
         self.rebalance_balancedness.labels("after").set(float(np.mean(event.balancedness_after)))
         if event.move_tolerance is not None:  # planned (not a given placement): how
             layers = max(1, len(event.balancedness_after))
-            self.plan_layers.labels("steady_windows").set(event.steady_layers / layers)
-            self.plan_layers.labels("drift_trend").set(event.trend_layers / layers)
+            for basis, k in zip(BASES, (event.steady_layers, event.trend_layers)):
+                self.plan_layers.labels(basis).set(k / layers)
             self.move_tolerance.set(float(event.move_tolerance))
         self._set_replicas(event.placement)
 
