@@ -57,6 +57,7 @@ from eplb.core.replay import Block, RebalanceRecord  # noqa: E402
 from eplb.core.transfer_plan import transfer_stats  # noqa: E402
 from eplb.core.workload import cosine_drift  # noqa: E402
 from eplb.ops.scale_report import make_cost  # noqa: E402
+from eplb.ops.settings_args import on_off  # noqa: E402
 from scale import SHARED, traces as shared_traces  # noqa: E402
 
 EP_SIZES = (8, 16, 32, 64, 128, 256)
@@ -396,7 +397,7 @@ def main() -> None:
     ap.add_argument("--steady-windows", type=int, default=EplbConfig.steady_windows,
                     help=f"earlier windows a plan on a steady load adds (default {EplbConfig.steady_windows}, "
                          f"the runtime's; 0 = the window alone)")
-    ap.add_argument("--drift-trend", choices=("on", "off"), default="on" if EplbConfig.drift_trend else "off",
+    ap.add_argument("--drift-trend", type=on_off, default=EplbConfig.drift_trend, metavar="on|off",
                     help="plans on a drifting load use the window's trend where it predicted well "
                          "(default: the runtime's)")
     ap.add_argument("--retime", type=int, default=0,
@@ -422,7 +423,7 @@ def main() -> None:
     RETIME[0] = a.retime
     MEASURED[0] = a.max_measured
     FAMILIES[0] = a.family_seed
-    TREND[0] = a.drift_trend == "on"
+    TREND[0] = a.drift_trend
     eps, models, names = [int(x) for x in a.ep.split(",")], a.models.split(","), a.traces.split(",")
     presets = a.presets.split(",")
     if unknown := [p for p in presets if p not in TOKEN_PRESETS]:

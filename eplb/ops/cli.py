@@ -20,7 +20,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from eplb.ops.settings_args import _ALIASES_IN_ERROR, Setting, SettingsParser, canonical_argv
+from eplb.ops.settings_args import _ALIASES_IN_ERROR, Setting, SettingsParser, canonical_argv, on_off
 
 
 class _Parser(SettingsParser):
@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "windows to its own (when --window-size <= --rebalance-interval "
                                       f"and --load-decay 1; default {EplbConfig.steady_windows}, as "
                                       "EplbConfig; 0 = the window alone)")
-    sm.add_argument("--drift-trend", choices=("on", "off"), default="on" if EplbConfig.drift_trend else "off",
+    sm.add_argument("--drift-trend", type=on_off, default=EplbConfig.drift_trend, metavar="on|off",
                     help="with shift detection on: a scheduled plan on a drifting load moves its load along "
                          "the window's trend (each expert's count extrapolated to the interval served) in "
                          "the layers where the last trend predicted better than the window (--load-decay 1; "

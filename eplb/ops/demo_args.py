@@ -12,14 +12,7 @@ from __future__ import annotations
 import argparse
 
 from eplb.core.config import LAUNCH_MODES, TRANSPORTS, EplbConfig
-from eplb.ops.settings_args import Setting
-
-
-def on_off(value: str) -> bool:
-    """argparse type of an on/off switch: "on" -> True, "off" -> False."""
-    if value not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
-    return value == "on"
+from eplb.ops.settings_args import Setting, on_off
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:

@@ -141,7 +141,7 @@ def run_cost(a: argparse.Namespace, trace: np.ndarray, source: str) -> int:
                            EplbConfig.tile_rows if a.tile_rows is None else a.tile_rows, "--tile-rows"),
                        control_interval=(EplbConfig.control_interval if a.control_interval is None
                                          else a.control_interval),
-                       steady_windows=a.steady_windows, drift_trend=a.drift_trend == "on")
+                       steady_windows=a.steady_windows, drift_trend=a.drift_trend)
     print(f"eplb simulate --cost {a.cost}: {source}: {T} steps x {L} layers x {Nt} experts as "
           f"{shape.name} (H {shape.hidden}, I {shape.intermediate}, N {shape.num_experts}, "
           f"top-{shape.top_k}, {shape.num_moe_layers} MoE layers); {tokens} tokens/GPU/step; window "

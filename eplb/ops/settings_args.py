@@ -24,6 +24,13 @@ class Setting(argparse.Action):
         setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
 
 
+def on_off(value: str) -> bool:
+    """argparse type of an on/off setting (`--drift-trend on|off`): "on" -> True, "off" -> False."""
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+    return value == "on"
+
+
 def warn_deprecated(prog: str, old: str, new: str) -> None:
     """The one-line deprecation warning of an old flag spelling (once per job: under
     torchrun only rank 0 prints it)."""

@@ -53,7 +53,7 @@ def run_simulate(a: argparse.Namespace) -> int:
                       policies=a.policy, num_nodes=a.num_nodes, num_groups=a.num_groups,
                       decay=a.load_decay, move_tolerance=a.move_tolerance,
                       weighted=a.weighted_replicas, min_gain=a.min_gain, shift_threshold=a.shift_threshold,
-                      steady_windows=a.steady_windows, drift_trend=a.drift_trend == "on",
+                      steady_windows=a.steady_windows, drift_trend=a.drift_trend,
                       bytes_per_expert=a.bytes_per_expert, start=a.start, oracle=not a.no_oracle,
                       progress=bar.update if bar else None)
     if bar:
@@ -62,11 +62,12 @@ def run_simulate(a: argparse.Namespace) -> int:
     steps_desc = (f"{raw.shape[0]} steps" if a.aggregate == 1 else
                   f"{raw.shape[0]} entries summed in groups of {a.aggregate} -> {T} steps"
                   + (f" (last {dropped} dropped)" if dropped else ""))
+    trend = "on" if a.drift_trend else "off"
     print(f"eplb simulate: {a.trace}: {steps_desc}, {L} layers x {N} experts; {a.num_gpus} GPUs, "
           f"{a.num_slots} slots, {a.num_nodes} node(s), {a.num_groups} group(s); window {a.window_size}, "
           f"interval {a.rebalance_interval}, decay {a.load_decay:g}, move tolerance "
           f"{a.move_tolerance:g}, min gain {a.min_gain:g}, shift threshold {a.shift_threshold:g}"
-          f"{f' (steady windows {a.steady_windows}, drift trend {a.drift_trend})' if a.shift_threshold > 0 else ''}"
+          f"{f' (steady windows {a.steady_windows}, drift trend {trend})' if a.shift_threshold > 0 else ''}"
           f"{', weighted' if a.weighted_replicas else ''}")
     print(f"{len(cfg['rebalance_steps'])} rebalances per policy; steps {cfg['start']}..{T - 1} scored")
     if a.shift_threshold > 0 and float(trace.sum(-1).mean()) < FEW_TOKENS:
