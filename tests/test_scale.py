@@ -385,6 +385,10 @@ def test_gpu_cost_graph_timing_on_cuda():
     queued = start.elapsed_time(end) * 1e-3 / 50
     assert np.median(graph) == pytest.approx(queued, rel=0.1), (graph, queued)
     assert (max(graph) - min(graph)) / np.median(graph) < 0.03, graph
+    # the activations are drawn on the GPU, and a hotter GPU than the buffer grows it there
+    assert c.x.device.type == "cuda" and c.x.shape == (2048, shape.hidden)
+    assert float(c.x.float().std()) == pytest.approx(0.1, rel=0.02)
+    assert c.measure([3000, 8]) > 0 and c.x.device.type == "cuda" and c.x.shape[0] == 4096
 
 
 def test_bench_scale_plan_cache_round_trips(tmp_path):

@@ -105,6 +105,13 @@ class GpuGemmCost:
         self.grid, self.single = self._calibrate()
 
     def _tokens(self, n: int) -> torch.Tensor:  # [n, H] bf16 activations
+        """Activations N(0, 0.1^2), seeded by n. On CUDA they are drawn on the device: drawn on
+        the CPU, DeepSeek-V3's 131,072-row prefill buffer took 16 s (2-core VM), and the buffer
+        doubles each time a hotter GPU needs more rows (benchmarks/README.md, 2026-12-05)."""
+        if self.device.type == "cuda":
+            g = torch.Generator(device=self.device).manual_seed(n)
+            x = torch.empty(n, self.shape.hidden, dtype=torch.bfloat16, device=self.device)  # [n, H]
+            return x.normal_(0.0, 0.1, generator=g)
         g = torch.Generator(device="cpu").manual_seed(n)
         return (torch.randn(n, self.shape.hidden, generator=g) * 0.1).to(torch.bfloat16).to(self.device)
 
@@ -125,7 +132,9 @@ class GpuGemmCost:
             raise ValueError(f"work of {len(key)} slots exceeds the {self.experts.num_slots} slots "
                              "this cost model holds")
         if sum(key) > self.x.shape[0]:  # a hotter GPU than the buffer was sized for
-            self.x = self._tokens(max(sum(key), 2 * self.x.shape[0]))
+            rows = max(sum(key), 2 * self.x.shape[0])
+            self.x = None  # free the old buffer first: at prefill sizes it is gigabytes
+            self.x = self._tokens(rows)
         self.cache[key] = t = self._time(key)
         self.runs += 1
         self._rows.append(features(np.asarray(key, dtype=np.float64)))
