@@ -1,6 +1,7 @@
 """The planner process: the same placements as `plan()` in-process, errors carried back,
 a dead child replaced, no child left behind; the runtime plans in it in asynchronous mode
 (rank 0) unless the policy was registered at run time."""
+import sys
 import threading
 import time
 
@@ -136,6 +137,24 @@ def test_child_keeps_its_freed_heap_unless_the_user_says_otherwise(monkeypatch):
         env = _child_environ(p)
         assert env["MALLOC_TRIM_THRESHOLD_"] == "131072"
         assert "MALLOC_MMAP_THRESHOLD_" not in env
+    finally:
+        p.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pipe sizes are a Linux call")
+def test_pipes_hold_a_whole_request_and_larger_ones_still_pass():
+    """Both pipes to the child are grown to 1 MiB, read back from the OS (so a DeepSeek-V3
+    request, about 250 KiB, is written without waiting for the child to drain it), and a
+    request larger than the pipe still goes through whole."""
+    import fcntl
+    with open("/proc/sys/fs/pipe-max-size") as f:
+        limit = int(f.read())
+    p = PlannerProcess()
+    try:
+        sizes = [fcntl.fcntl(pipe.fileno(), fcntl.F_GETPIPE_SZ) for pipe in (p._proc.stdin, p._proc.stdout)]
+        assert sizes == [1 << 20] * 2 if limit >= 1 << 20 else sizes == [64 << 10] * 2, (sizes, limit)
+        load = np.random.default_rng(0).random((600, 256)) * 100  # [L, N] float64: 1.2 MB pickled
+        assert np.array_equal(p.plan(load, 8, 264).physical_to_logical, plan(load, 8, 264).physical_to_logical)
     finally:
         p.close()
 

@@ -57,9 +57,25 @@ _CHILD = "import sys; from eplb.runtime.planner_process import main; sys.exit(ma
 # time. An environment variable already set wins.
 MALLOC_SETTINGS = {"MALLOC_TRIM_THRESHOLD_": str(256 << 20), "MALLOC_MMAP_THRESHOLD_": str(64 << 20)}
 
+# Linux pipes hold 64 KiB; a DeepSeek-V3-shape request (load and previous placement) is
+# about 250 KiB, so the writer blocked until the reader drained each 64 KiB. Grown to 1 MiB
+# (the default /proc/sys/fs/pipe-max-size), a call took 0.1-0.3 ms less when parent and
+# child ran on different cores, the same on one core (benchmarks/diag/planner_pipe_size.py).
+PIPE_BYTES = 1 << 20
+
 
 class PlannerProcessError(RuntimeError):
     """The planner process died or answered something unreadable."""
+
+
+def _grow_pipe(fd: int) -> None:
+    """Ask for a PIPE_BYTES buffer on pipe `fd`; where the OS has no such call (not Linux)
+    or refuses (a lower pipe-max-size), the pipe keeps its size and only the speed differs."""
+    try:
+        import fcntl
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except (ImportError, AttributeError, OSError) as e:
+        log.debug("planner process: pipe buffer left as it is (%s)", e)
 
 
 def _send(stream: BinaryIO, obj: Any) -> None:
@@ -111,6 +127,8 @@ class PlannerProcess:
         self._proc = subprocess.Popen([sys.executable, "-c", _CHILD],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       env=env, close_fds=True)
+        for pipe in (self._proc.stdin, self._proc.stdout):
+            _grow_pipe(pipe.fileno())
 
     @property
     def alive(self) -> bool:
