@@ -11,7 +11,10 @@
 # the order given; SECONDS (default 180) is the row's limit (a row cut by it keeps what
 # it scored: nothing, or its GEMM timings). Writes $OUT/rows.log (every row's result line
 # and exit code) and $OUT/rows.tgz (each row's folder: issue29.json, gemms.json(.gz),
-# rounds.json, its log). MODEL (default deepseek-v3) and PYTHON (default python3) can be set.
+# rounds.json, its log), rewritten after each row. MODEL (default deepseek-v3) and PYTHON
+# (default python3) can be set. Seen on one H200 (2026-12-05): decode rows at EP 64-256 take
+# 2-30 s, EP 8 decode 40-90 s; prefill rows 30-240 s, but the shifting families' prefill
+# rows did not finish in 110 s (EP 8) and 230 s (EP 64).
 set -u
 OUT=${OUT:?set OUT to the output folder}
 PLANS=${PLANS:?set PLANS to the folder of plans made by issue29.py --plan-only}
@@ -39,8 +42,9 @@ for spec in "$@"; do
     rc=$?
     line=$(grep "default/deepseek" "$WORK/$name/log.txt" | tail -1)
     echo "$name rc $rc ${line:-(no row scored)}" | tee -a "$OUT/rows.log"
+    # the archive is rewritten after every row: a call cut short still returns the rows done
+    find "$WORK" -name gemms.json -exec gzip -f {} \;
+    tar czf "$OUT/rows.tgz.part" -C "$WORK" . && mv "$OUT/rows.tgz.part" "$OUT/rows.tgz"
 done
-find "$WORK" -name gemms.json -exec gzip -f {} \;
-tar czf "$OUT/rows.tgz" -C "$WORK" .
 rm -rf "$WORK"
 echo "rows: $OUT/rows.log, archive: $OUT/rows.tgz" >&2
