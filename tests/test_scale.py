@@ -389,6 +389,10 @@ def test_gpu_cost_graph_timing_on_cuda():
     assert c.x.device.type == "cuda" and c.x.shape == (2048, shape.hidden)
     assert float(c.x.float().std()) == pytest.approx(0.1, rel=0.02)
     assert c.measure([3000, 8]) > 0 and c.x.device.type == "cuda" and c.x.shape[0] == 4096
+    # the expert weights are drawn on the GPU too, N(0, 0.02^2), and differ between slots
+    for w in (c.experts.w13, c.experts.w2):
+        assert w.device.type == "cuda" and float(w[:2].float().std()) == pytest.approx(0.02, rel=0.02)
+        assert not torch.equal(w[0], w[1])
 
 
 def test_bench_scale_plan_cache_round_trips(tmp_path):

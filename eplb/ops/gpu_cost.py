@@ -82,12 +82,9 @@ class GpuGemmCost:
                                    "lacks it)")
         self.shape, self.device = shape, torch.device(device)
         self.bucket, self.margin, self.max_measured, self.reps = bucket, margin, max_measured, reps
-        H, I = shape.hidden, shape.intermediate
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        self.experts = GroupedExperts(max_slots, H, I, dtype=torch.bfloat16, device=self.device)
-        with torch.no_grad():  # small random weights: the kernel's time does not depend on values
-            for w in (self.experts.w13, self.experts.w2):
-                w.copy_((torch.randn(w.shape, generator=g) * 0.02).to(w.dtype))
+        self.experts = GroupedExperts(max_slots, shape.hidden, shape.intermediate, dtype=torch.bfloat16,
+                                      device=self.device)
+        self._fill_weights(seed)
         self.max_tokens = max_tokens  # the calibration grid's top
         self.x = self._tokens(max_tokens)  # [T', H]
         self.cache: dict[tuple[int, ...], float] = {}
@@ -103,6 +100,20 @@ class GpuGemmCost:
         self.touched: set[tuple[int, ...]] | None = None  # keys asked for since `track()`
         self.rounds: dict[tuple[int, ...], list[float]] = {}  # key -> its times, one per `retime` round
         self.grid, self.single = self._calibrate()
+
+    def _fill_weights(self, seed: int) -> None:
+        """Small random expert weights N(0, 0.02^2) (a GEMM's time does not depend on the
+        values). On CUDA they are drawn on the device: DeepSeek-V3's 34 slots are 1.5 G
+        weights, seconds of drawing on a CPU for every cost object (every `--cost gpu` row)."""
+        with torch.no_grad():
+            if self.device.type == "cuda":
+                g = torch.Generator(device=self.device).manual_seed(seed)
+                for w in (self.experts.w13, self.experts.w2):
+                    w.normal_(0.0, 0.02, generator=g)
+                return
+            g = torch.Generator(device="cpu").manual_seed(seed)
+            for w in (self.experts.w13, self.experts.w2):
+                w.copy_((torch.randn(w.shape, generator=g) * 0.02).to(w.dtype))
 
     def _tokens(self, n: int) -> torch.Tensor:  # [n, H] bf16 activations
         """Activations N(0, 0.1^2), seeded by n. On CUDA they are drawn on the device: drawn on
