@@ -14,7 +14,9 @@
 # rounds.json, its log), rewritten after each row. MODEL (default deepseek-v3) and PYTHON
 # (default python3) can be set. Seen on one H200 (2026-12-05): decode rows at EP 64-256 take
 # 2-30 s, EP 8 decode 40-90 s; prefill rows 30-240 s, but the shifting families' prefill
-# rows did not finish in 110 s (EP 8) and 230 s (EP 64).
+# rows did not finish in 110 s (EP 8) and 230 s (EP 64). Each row's line gives its wall
+# time (start-up included). Forecast a row's GEMM time on a CPU before spending device time
+# on it: benchmarks/diag/issue29_row_time.py (same SPEC, `--model=M` in EXTRA for MODEL).
 set -u
 OUT=${OUT:?set OUT to the output folder}
 PLANS=${PLANS:?set PLANS to the folder of plans made by issue29.py --plan-only}
@@ -35,13 +37,14 @@ for spec in "$@"; do
     seconds=${seconds:-180}
     name="ep${ep}-${preset}-${trace}"
     mkdir -p "$WORK/$name"
+    t0=$(date +%s)
     # shellcheck disable=SC2086 # EXTRA is split on purpose
     timeout "$seconds" "$PY" benchmarks/issue29.py --cost gpu --plans "$PLANS" --ep "$ep" --models "$MODEL" \
         --presets "$preset" --traces "$trace" --shared "$SHARED" --out "$WORK/$name" ${extra//,/ } \
         > "$WORK/$name/log.txt" 2>&1
     rc=$?
     line=$(grep "default/deepseek" "$WORK/$name/log.txt" | tail -1)
-    echo "$name rc $rc ${line:-(no row scored)}" | tee -a "$OUT/rows.log"
+    echo "$name rc $rc wall $(( $(date +%s) - t0 )) s ${line:-(no row scored)}" | tee -a "$OUT/rows.log"
     # the archive is rewritten after every row: a call cut short still returns the rows done
     find "$WORK" -name gemms.json -exec gzip -f {} \;
     tar czf "$OUT/rows.tgz.part" -C "$WORK" . && mv "$OUT/rows.tgz.part" "$OUT/rows.tgz"
