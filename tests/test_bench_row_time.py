@@ -84,3 +84,18 @@ def test_forecast_scales_a_fit_to_a_model_without_one(tmp_path):
     assert coef[0] == COEF[0] and np.allclose(coef[1:], COEF[1:] * scale) and "scaled" in source
     same, _ = rt.fit_for("deepseek-v3", "prefill", {("deepseek-v3", "prefill"): f})
     assert np.array_equal(same, COEF)
+
+
+def test_rows_pack_into_calls_in_order_one_model_each_within_the_limit():
+    rt = _forecast_module()
+    rows = [{"spec": "8:prefill:esft", "model": "deepseek-v3", "forecast_s": 100.0},  # limit 180
+            {"spec": "16:prefill:esft:--retime=2", "model": "deepseek-v3", "forecast_s": 200.0},  # 330
+            {"spec": "32:prefill:esft", "model": "deepseek-v3", "forecast_s": 20.0},  # 60: 570 > 560
+            {"spec": "8:decode:drift:--model=qwen3-235b", "model": "qwen3-235b", "forecast_s": 20.0},  # 60
+            {"spec": "64:prefill:drift", "model": "deepseek-v3", "forecast_s": 1000.0}]  # 1530 -> 560
+    calls = rt.pack_calls(rows, 560)
+    assert calls == [("deepseek-v3", ["8:prefill:esft:180", "16:prefill:esft:330:--retime=2"]),
+                     ("deepseek-v3", ["32:prefill:esft:60"]),
+                     ("qwen3-235b", ["8:decode:drift:60"]),
+                     ("deepseek-v3", ["64:prefill:drift:560"])]
+    assert [rt.row_limit(x) for x in (0.0, 100.0, 1.0)] == [30, 180, 32]

@@ -19,6 +19,7 @@ replay prints are those of the fit (`diag/issue29_fitted_gpu.py` breaks them dow
 
     python benchmarks/diag/issue29_row_time.py --plans .devplans/all --shared ../shared/traces/npy \\
         8:prefill:shift-zipf 64:decode:esft ...      # EP:PRESET:TRACE[:--retime=R,--max-measured=K]
+        [--calls 560]                                # and the issue29_gpu_rows.sh calls that run them
 
 Fits: `--fit MODEL:PRESET=issue29.json` (repeatable); by default the H200 fits kept under
 benchmarks/results (`DEFAULT_FITS`). A model and preset without a fit (Qwen3-235B prefill has
@@ -136,6 +137,32 @@ def forecast(spec: str, plans: Path, fits: dict) -> dict:
             "fit_ratio": doc["rows"][0]["default/deepseek"]}
 
 
+def row_limit(forecast_s: float, margin: float = 1.5, startup_s: float = 30.0) -> int:
+    """A row's time limit in issue29_gpu_rows.sh: the forecast with a margin (the forecast
+    ran 0.5-1.0x of the rows' own scoring times on 2026-12-05) plus the process start-up."""
+    return int(np.ceil(margin * forecast_s + startup_s))
+
+
+def pack_calls(rows: list[dict], call_s: float) -> list[tuple[str, list[str]]]:
+    """Group forecast rows, in their order, into device calls of issue29_gpu_rows.sh: one
+    model per call (its MODEL), the rows' limits summing to at most `call_s` (a row whose
+    limit alone exceeds it gets a call of its own, its limit cut to `call_s`). Returns
+    [(model, [EP:PRESET:TRACE:SECONDS[:EXTRA]])]."""
+    calls: list[tuple[str, list[str]]] = []
+    used = 0.0
+    for r in rows:
+        ep, preset, trace, *extra = r["spec"].split(":")
+        flags = [x for x in (extra[0].split(",") if extra else []) if not x.lstrip("-").startswith("model=")]
+        limit = min(row_limit(r["forecast_s"]), int(call_s))
+        spec = ":".join([ep, preset, trace, str(limit)] + ([",".join(flags)] if flags else []))
+        if not calls or calls[-1][0] != r["model"] or used + limit > call_s:
+            calls.append((r["model"], []))
+            used = 0.0
+        calls[-1][1].append(spec)
+        used += limit
+    return calls
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("rows", nargs="+", help="EP:PRESET:TRACE[:--retime=R,--max-measured=K,--model=M]")
@@ -145,6 +172,9 @@ def main() -> None:
     ap.add_argument("--per-gemm", type=float, default=0.0, help="fixed device seconds per GEMM timing")
     ap.add_argument("--cpu-factor", type=float, default=2.0, help="the host's CPU time over this machine's")
     ap.add_argument("--json", type=Path, default=None, help="write the forecasts here")
+    ap.add_argument("--calls", type=float, default=0.0, metavar="SECONDS",
+                    help="also print the rows, in the order given, packed into issue29_gpu_rows.sh "
+                         "calls of at most this many seconds of row limits each")
     a = ap.parse_args()
     issue29.SHARED_DIR[0] = a.shared
     fits = {}
@@ -161,6 +191,13 @@ def main() -> None:
         out.append(r)
         print(f"| {spec} | {r['gemms']} ({r['timings']}) | {r['device_s']:.0f} | {r['cpu_s']:.1f} | "
               f"{r['forecast_s']:.0f} | {r['fit_ratio']:.4f} | {r['fit']} |", flush=True)
+    if a.calls > 0:
+        print(f"\n{a.calls:.0f} s calls (row limit = 1.5 x forecast + 30 s):\n")
+        for i, (model, specs) in enumerate(pack_calls(out, a.calls), 1):
+            total = sum(int(x.split(":")[3]) for x in specs)
+            print(f"# call {i}: {len(specs)} rows, limits {total} s\n"
+                  f"OUT=$OUT/c{i} PLANS=.devplans/all SHARED=.devshared/traces/npy MODEL={model} "
+                  f"taskset -c 4-15 bash benchmarks/issue29_gpu_rows.sh {' '.join(specs)}")
     if a.json:
         a.json.write_text(json.dumps({"per_gemm": a.per_gemm, "cpu_factor": a.cpu_factor, "rows": out}, indent=1))
 
