@@ -8,7 +8,8 @@ token-expert choices split over them by lognormal(0, 1) shares) and times each
 
 - `launch`: one launch at a time between CUDA events, median of 3 (how
   `eplb.ops.gpu_cost.GpuGemmCost` timed before 2026-12-03);
-- `graph`: `GpuGemmCost._time_graph`, a CUDA graph of back-to-back runs (what it does now).
+- `graph`: `GpuGemmCost._time_graph`, a CUDA graph of back-to-back runs (what it does for
+  decode-sized GEMMs; from 2026-12-05 a GEMM over 2 ms is timed from queued runs, no graph).
 
 Prints, per way, each key's mean time, its coefficient of variation (std / mean) and
 range ((max - min) / median) over the rounds, and the variation of the ratio of two keys'

@@ -26,11 +26,14 @@ def _forecast_module():
 
 
 def _device_seconds(t: float, reps: int) -> float:
-    """Device time of one GEMM of `t` seconds timed over a CUDA graph, written out here: a
-    warm-up, one timed run, then a graph of `inner` runs (filling 3 ms, 1 to 20) replayed
-    once to warm up and `reps` times."""
+    """Device time of one timing of a GEMM of `t` seconds, written out here: a warm-up and
+    `reps` runs queued back to back; a run under 2 ms (a graph of one run would not fill
+    3 ms) is then timed over a graph of `inner` runs (filling 3 ms, 1 to 20), replayed once
+    to warm up and `reps` times."""
+    if t > 0.002:  # 3 ms / t rounds to 1
+        return t * (1 + reps)
     inner = min(20, max(1, round(0.003 / t)))
-    return t * (1 + 1 + inner + reps * inner)
+    return t * (1 + reps + inner + reps * inner)
 
 
 def test_forecast_measures_what_the_gpu_cost_would_and_adds_up_its_device_time():
@@ -99,3 +102,12 @@ def test_rows_pack_into_calls_in_order_one_model_each_within_the_limit():
                      ("qwen3-235b", ["8:decode:drift:60"]),
                      ("deepseek-v3", ["64:prefill:drift:560"])]
     assert [rt.row_limit(x) for x in (0.0, 100.0, 1.0)] == [30, 180, 32]
+
+
+def test_timing_runs_counts_the_runs_of_a_timing_short_and_long():
+    from eplb.ops.gpu_cost import timing_runs
+    for t in (1e-5, 1.5e-4, 1e-3, 1.9e-3, 2.1e-3, 3e-3, 0.05):
+        for reps in (1, 3):
+            assert t * timing_runs(t, reps) == _device_seconds(t, reps), (t, reps)
+    assert timing_runs(0.01, 3) == 4 and timing_runs(1e-3, 3) == 1 + 3 + 3 * 4  # inner 3
+

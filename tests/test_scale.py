@@ -395,6 +395,35 @@ def test_gpu_cost_graph_timing_on_cuda():
         assert not torch.equal(w[0], w[1])
 
 
+@pytest.mark.skipif(not _cuda(), reason="times CUDA kernels: runs on the GPU machine")
+def test_gpu_cost_times_a_long_gemm_from_queued_runs_without_a_graph(monkeypatch):
+    """A prefill-sized GEMM (over 2 ms) is timed from runs queued back to back, with no
+    graph (a capture would fail here), against an independent timing of the same work (10
+    runs queued between two events after a warm-up); and its repeat spread."""
+    import torch
+    from eplb.core.cost_model import MODEL_PRESETS
+    from eplb.ops.gpu_cost import GpuGemmCost, timing_runs
+
+    shape = MODEL_PRESETS["deepseek-v3"]
+    c = GpuGemmCost(shape, max_slots=9, max_tokens=65536, device="cuda")
+    key = (30000, 20000, 10000, 4000)  # 64,000 rows on 4 slots
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", None)
+    times = [c._time(key) for _ in range(3)]
+    monkeypatch.undo()
+    run = c.gemm(key)
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        run()
+    end.record()
+    end.synchronize()
+    queued = start.elapsed_time(end) * 1e-3 / 10
+    assert queued > 0.002 and timing_runs(queued, c.reps) == 1 + c.reps  # the path without a graph
+    assert np.median(times) == pytest.approx(queued, rel=0.05), (times, queued)
+    assert (max(times) - min(times)) / np.median(times) < 0.03, times
+
+
 def test_bench_scale_plan_cache_round_trips(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:

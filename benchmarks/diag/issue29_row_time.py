@@ -6,12 +6,9 @@ a row here with `GpuGemmCost`'s own machinery (calibration grid, estimate, picke
 cache, refits, `--retime` rounds), but every GEMM's time is read from a fit measured on an
 H200 (`issue29.json`'s `gpu.<model>.<preset>.fit`, `gpu_cost.fitted_seconds`) and nothing
 runs: the expert weights live on the `meta` device. Each GEMM the row would time costs
-device time as `GpuGemmCost._time_graph` spends it:
-
-    t x (2 + inner x (1 + reps))   (warm-up, a first timed run, the graph's warm-up replay and
-                                    `reps` replays of `inner` runs, inner = 3 ms / t in 1..20)
-
-plus `--per-gemm` seconds of fixed cost (graph capture, synchronisation, Python). The CPU
+device time as `GpuGemmCost._time_graph` spends it, t x `gpu_cost.timing_runs(t, reps)`
+(a warm-up and `reps` queued runs; below 2 ms, also a graph of `inner` runs replayed
+1 + `reps` times), plus `--per-gemm` seconds of fixed cost (graph capture, synchronisation, Python). The CPU
 part of the row (replay, plans read, imports) is timed here and multiplied by
 `--cpu-factor` (the H200 host's cores were 1.5-2.4x slower than this VM's in the planner
 timings of 2026-12-05). The forecast is for scheduling rows, not a result: the ratios this
@@ -45,7 +42,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import issue29  # noqa: E402
 from eplb.core.cost_model import MODEL_PRESETS  # noqa: E402
-from eplb.ops.gpu_cost import FEATURES, GRAPH_SECONDS, MAX_INNER, GpuGemmCost, fitted_seconds  # noqa: E402
+from eplb.ops.gpu_cost import FEATURES, GpuGemmCost, fitted_seconds, timing_runs  # noqa: E402
 
 RESULTS = HERE.parent / "results"
 # the H200 fits used unless --fit says otherwise: runs with many GEMMs (2,000-10,000)
@@ -97,8 +94,7 @@ class ForecastCost(GpuGemmCost):
     def _time(self, key: tuple[int, ...], reps: int | None = None) -> float:
         reps = self.reps if reps is None else reps
         t = float(fitted_seconds(np.asarray(key, dtype=np.float64), self.true_coef))
-        inner = int(min(MAX_INNER, max(1, round(GRAPH_SECONDS / max(t, 1e-7)))))
-        self.device_s += t * (2 + inner * (1 + reps))
+        self.device_s += t * timing_runs(t, reps)
         self.timed += 1
         return t
 

@@ -3,8 +3,8 @@
 
 One virtual GPU's expert work is the grouped GEMM of its local slots with their token
 counts, run by the reference model's kernel (`moe.experts.GroupedExperts`, bf16,
-`torch._grouped_mm`) and timed with CUDA events over a CUDA graph of back-to-back runs
-(`GpuGemmCost._time_graph`). Timing every GPU of every step, layer
+`torch._grouped_mm`) and timed with CUDA events over back-to-back runs, captured in a CUDA
+graph when a run is short (`GpuGemmCost._time_graph`). Timing every GPU of every step, layer
 and placement at EP 256 would take hours, so:
 
 1. an estimate ranks the GPUs of a layer: at first the sum over its slots of single-slot
@@ -56,6 +56,21 @@ def features(c: np.ndarray) -> np.ndarray:  # [..., S] token counts -> [..., 5]
     nz = c > 0
     return np.stack([np.ones(c.shape[:-1]), nz.sum(-1), c.sum(-1), np.ceil(c / 64).sum(-1),
                      np.ceil(c / 128).sum(-1)], axis=-1)
+
+
+def inner_runs(t: float) -> int:
+    """Runs of a GEMM of `t` seconds in one timed CUDA graph: as many as fill GRAPH_SECONDS,
+    1 to MAX_INNER (1: it is timed without a graph, `GpuGemmCost._time_graph`)."""
+    return int(min(MAX_INNER, max(1, round(GRAPH_SECONDS / max(t, 1e-7)))))
+
+
+def timing_runs(t: float, reps: int) -> int:
+    """Runs of a GEMM of `t` seconds that `GpuGemmCost._time_graph` launches: a warm-up and
+    `reps` queued runs, then, below GRAPH_SECONDS / 1.5, a graph of `inner_runs(t)` replayed
+    once to warm up and `reps` times (capturing a graph runs nothing). Device time of a
+    timing: t x timing_runs(t, reps) (`diag/issue29_row_time.py` forecasts rows with it)."""
+    inner = inner_runs(t)
+    return 1 + reps + (0 if inner == 1 else inner * (1 + reps))
 
 
 def fitted_seconds(counts: np.ndarray, coef: np.ndarray) -> np.ndarray:  # [..., S], [5] -> [...]
@@ -197,24 +212,35 @@ class GpuGemmCost:
         return float(np.median(times))
 
     def _time_graph(self, run, reps: int) -> float:
-        """Seconds of one `run()` on CUDA: the median over `reps` replays of a CUDA graph of
-        `inner` back-to-back runs, divided by `inner` (as many runs as fill GRAPH_SECONDS,
-        at most MAX_INNER). Timed one launch at a time (median of 3), a decode GEMM's time
-        varied by about 1.5% from one measurement to the next on an H200 (launch gaps, timer
-        jitter), enough to swing a placement comparison by 1%; this way by about 0.25%
-        (benchmarks/gpu_timing_noise.py; benchmarks/README.md, 2026-12-03 (fifth)). A model served with CUDA graphs has no
-        launch gaps either."""
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        """Seconds of one `run()` on CUDA. First a warm-up and `reps` runs queued back to back
+        between CUDA events (the warm-up keeps the GPU busy, so no launch gap enters the
+        first timing). A run of `GRAPH_SECONDS / 1.5` or more (`inner_runs` 1: prefill-sized
+        GEMMs) is timed by these: the median of the `reps`; its kernels queue ahead of the
+        GPU, so launches leave no gaps there. A shorter run is timed over a CUDA graph of
+        `inner` back-to-back runs (as many as fill GRAPH_SECONDS, at most MAX_INNER): the
+        median over `reps` replays, divided by `inner`. Timed one launch at a time (median of
+        3), a decode GEMM's time varied by about 1.5% from one measurement to the next on an
+        H200 (launch gaps, timer jitter), enough to swing a placement comparison by 1%; over
+        the graph by about 0.25% (benchmarks/gpu_timing_noise.py; benchmarks/README.md,
+        2026-12-03 (fifth)). A model served with CUDA graphs has no launch gaps either. The
+        runs a timing costs: `timing_runs`."""
+        stream = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up off the default stream, as capture wants
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):  # warm-up off the default stream, as a capture wants
             run()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        inner = int(min(MAX_INNER, max(1, round(GRAPH_SECONDS / max(start.elapsed_time(end) * 1e-3, 1e-7)))))
+        stream.wait_stream(side)
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
+        marks[0].record()
+        for mark in marks[1:]:
+            run()
+            mark.record()
+        marks[-1].synchronize()
+        queued = [a.elapsed_time(b) * 1e-3 for a, b in zip(marks, marks[1:])]  # [reps] seconds
+        inner = inner_runs(queued[0])
+        if inner == 1:
+            return float(np.median(queued))
+        start, end = marks[0], marks[1]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(inner):
