@@ -35,7 +35,7 @@ for spec in "$@"; do
         continue
     fi
     seconds=${seconds:-180}
-    name="ep${ep}-${preset}-${trace}"
+    name="ep${ep}-${preset}-${trace}${extra:+-${extra//[^a-zA-Z0-9=.]/_}}"  # EXTRA in the name: rows differing only there keep their folders apart
     mkdir -p "$WORK/$name"
     t0=$(date +%s)
     # shellcheck disable=SC2086 # EXTRA is split on purpose

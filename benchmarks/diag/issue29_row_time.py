@@ -103,9 +103,9 @@ def forecast(spec: str, plans: Path, fits: dict) -> dict:
     """Replay one row (`issue29.run` with a `ForecastCost`); its GEMM count and times."""
     ep, preset, trace, *extra = spec.split(":")
     opts = dict(x.lstrip("-").split("=") for x in (extra[0].split(",") if extra else []))
-    unknown = set(opts) - {"retime", "max-measured", "model"}
+    unknown = set(opts) - {"retime", "max-measured", "model", "counts"}
     if unknown:
-        raise ValueError(f"{spec}: unknown options {sorted(unknown)} (known: --retime, --max-measured, --model)")
+        raise ValueError(f"{spec}: unknown options {sorted(unknown)} (known: --retime, --max-measured, --counts, --model)")
     model = opts.get("model", "deepseek-v3")
     issue29.RETIME[0] = int(opts.get("retime", 0))
     issue29.MEASURED[0] = int(opts.get("max-measured", 4))
@@ -122,7 +122,8 @@ def forecast(spec: str, plans: Path, fits: dict) -> dict:
     try:
         with contextlib.redirect_stdout(log):
             doc = issue29.run("gpu", Path("/tmp/issue29-row-time") / spec.replace(":", "_"), 0.05,
-                              [int(ep)], [model], [trace], plans, presets=(preset,))
+                              [int(ep)], [model], [trace], plans, counts=opts.get("counts", "expected"),
+                              presets=(preset,))
     finally:
         issue29.make_cost = real
     if not doc["rows"]:
@@ -161,7 +162,8 @@ def pack_calls(rows: list[dict], call_s: float) -> list[tuple[str, list[str]]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("rows", nargs="+", help="EP:PRESET:TRACE[:--retime=R,--max-measured=K,--model=M]")
+    ap.add_argument("rows", nargs="+",
+                    help="EP:PRESET:TRACE[:--retime=R,--max-measured=K,--counts=poisson,--model=M]")
     ap.add_argument("--plans", type=Path, required=True, help="plans made by issue29.py --plan-only")
     ap.add_argument("--shared", type=Path, default=issue29.SHARED, help="the shared traces' npy folder")
     ap.add_argument("--fit", action="append", default=[], metavar="MODEL:PRESET=issue29.json")
