@@ -357,6 +357,20 @@ def _cuda() -> bool:
     return torch.cuda.is_available() and hasattr(torch, "_grouped_mm")
 
 
+def _queued_seconds(run, n: int) -> float:
+    """Seconds of one `run()` on CUDA, timed independently of `GpuGemmCost`: a warm-up, then
+    `n` runs queued back to back between two events."""
+    import torch
+    run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e-3 / n
+
+
 @pytest.mark.skipif(not _cuda(), reason="times CUDA graphs: runs on the GPU machine")
 def test_gpu_cost_graph_timing_on_cuda():
     """`_time_graph` against an independent timing of the same GEMM (50 launches queued
@@ -375,14 +389,7 @@ def test_gpu_cost_graph_timing_on_cuda():
         err = max(err, float((got[start:start + n] - want).abs().max() / want.abs().max()))
         start += n
     assert err < 0.03, err  # bf16 rounding
-    run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(50):
-        run()
-    end.record()
-    end.synchronize()
-    queued = start.elapsed_time(end) * 1e-3 / 50
+    queued = _queued_seconds(run, 50)
     assert np.median(graph) == pytest.approx(queued, rel=0.1), (graph, queued)
     assert (max(graph) - min(graph)) / np.median(graph) < 0.03, graph
     # the activations are drawn on the GPU, and a hotter GPU than the buffer grows it there
@@ -410,15 +417,7 @@ def test_gpu_cost_times_a_long_gemm_from_queued_runs_without_a_graph(monkeypatch
     monkeypatch.setattr(torch.cuda, "CUDAGraph", None)
     times = [c._time(key) for _ in range(3)]
     monkeypatch.undo()
-    run = c.gemm(key)
-    run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        run()
-    end.record()
-    end.synchronize()
-    queued = start.elapsed_time(end) * 1e-3 / 10
+    queued = _queued_seconds(c.gemm(key), 10)
     assert queued > 0.002 and timing_runs(queued, c.reps) == 1 + c.reps  # the path without a graph
     assert np.median(times) == pytest.approx(queued, rel=0.05), (times, queued)
     assert (max(times) - min(times)) / np.median(times) < 0.03, times
