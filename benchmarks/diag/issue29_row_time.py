@@ -7,7 +7,7 @@ cache, refits, `--retime` rounds), but every GEMM's time is read from a fit meas
 H200 (`issue29.json`'s `gpu.<model>.<preset>.fit`, `gpu_cost.fitted_seconds`) and nothing
 runs: the expert weights live on the `meta` device. Each GEMM the row would time costs
 device time as `GpuGemmCost._time_graph` spends it, t x `gpu_cost.timing_runs(t, reps)`
-(a warm-up and `reps` queued runs; below 2 ms, also a graph of `inner` runs replayed
+(a warm-up and `reps` queued runs; up to 2 ms, also a graph of `inner` runs replayed
 1 + `reps` times), plus `--per-gemm` seconds of fixed cost (graph capture, synchronisation, Python). The CPU
 part of the row (replay, plans read, imports) is timed here and multiplied by
 `--cpu-factor` (the H200 host's cores were 1.5-2.4x slower than this VM's in the planner

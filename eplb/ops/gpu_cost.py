@@ -66,9 +66,10 @@ def inner_runs(t: float) -> int:
 
 def timing_runs(t: float, reps: int) -> int:
     """Runs of a GEMM of `t` seconds that `GpuGemmCost._time_graph` launches: a warm-up and
-    `reps` queued runs, then, below GRAPH_SECONDS / 1.5, a graph of `inner_runs(t)` replayed
-    once to warm up and `reps` times (capturing a graph runs nothing). Device time of a
-    timing: t x timing_runs(t, reps) (`diag/issue29_row_time.py` forecasts rows with it)."""
+    `reps` queued runs, then, up to GRAPH_SECONDS / 1.5 (2 ms), a graph of `inner_runs(t)`
+    runs replayed once to warm up and `reps` times (capturing a graph runs nothing). Device
+    time of a timing: t x timing_runs(t, reps) (`diag/issue29_row_time.py` forecasts rows
+    with it)."""
     inner = inner_runs(t)
     return 1 + reps + (0 if inner == 1 else inner * (1 + reps))
 
@@ -214,7 +215,7 @@ class GpuGemmCost:
     def _time_graph(self, run, reps: int) -> float:
         """Seconds of one `run()` on CUDA. First a warm-up and `reps` runs queued back to back
         between CUDA events (the warm-up keeps the GPU busy, so no launch gap enters the
-        first timing). A run of `GRAPH_SECONDS / 1.5` or more (`inner_runs` 1: prefill-sized
+        first timing). A run over `GRAPH_SECONDS / 1.5` (`inner_runs` 1: prefill-sized
         GEMMs) is timed by these: the median of the `reps`; its kernels queue ahead of the
         GPU, so launches leave no gaps there. A shorter run is timed over a CUDA graph of
         `inner` back-to-back runs (as many as fill GRAPH_SECONDS, at most MAX_INNER): the
