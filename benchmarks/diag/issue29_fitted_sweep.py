@@ -45,6 +45,7 @@ def ratio(rows) -> float:
 
 
 def _draw(a, seed: int) -> np.ndarray:  # [T, L, N]
+    """`a.trace` drawn with family seed `seed` (a shared trace is the same whatever the seed)."""
     issue29.FAMILIES[0] = seed
     issue29._DRAWN.clear()
     issue29._LOADS.clear()
@@ -145,10 +146,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     seeds = [int(x) for x in a.family_seeds.split(",")] if a.trace in issue29.SYNTHETIC else [issue29.FAMILY_SEED]
     for seed in seeds:
-        issue29.FAMILIES[0] = seed
-        issue29._DRAWN.clear()
-        issue29._LOADS.clear()
-        trace = issue29._trace(a.model, a.trace)  # [T, L, N]
+        trace = _draw(a, seed)  # [T, L, N]
         opts = replace(issue29._opts(0.05, M, shape, "decode"), **changes)
         planned = plan_scale(trace, shape, M, P, issue29.WINDOW, issue29.INTERVAL, link, ("deepseek", "default"),
                              opts=opts)
