@@ -37,15 +37,8 @@ TILE = 128
 class TileRoofline(AnalyticCost):
     """`AnalyticCost` whose weight bytes are one read per `TILE` rows of each slot."""
 
-    def __call__(self, shape, counts: np.ndarray) -> np.ndarray:  # [L, M, S] -> [L, M]
-        H, I, b = shape.hidden, shape.intermediate, shape.dtype_bytes
-        counts = np.asarray(counts, dtype=np.float64)
-        tokens = counts.sum(-1)  # [L, M]
-        flops = tokens * shape.flops_per_choice
-        nbytes = (np.ceil(counts / TILE).sum(-1) * shape.bytes_per_expert
-                  + tokens * (2 * H + 2 * I + I + H) * b)
-        t = np.maximum(flops / (self.tflops * 1e12), nbytes / (self.hbm_TBps * 1e12))
-        return t + np.where(tokens > 0, self.launch_us * 1e-6, 0.0)
+    def weight_reads(self, counts: np.ndarray) -> np.ndarray:  # [L, M, S] -> [L, M]
+        return np.ceil(counts / TILE).sum(-1)
 
 
 def score(cost, eps, models, traces, presets, plans: Path) -> dict:

@@ -120,10 +120,14 @@ class AnalyticCost:
         counts = np.asarray(counts, dtype=np.float64)
         tokens = counts.sum(-1)  # [L, M]
         flops = tokens * shape.flops_per_choice
-        nbytes = (np.count_nonzero(counts, axis=-1) * shape.bytes_per_expert
+        nbytes = (self.weight_reads(counts) * shape.bytes_per_expert
                   + tokens * (2 * H + 2 * I + I + H) * b)  # weights; x, gate/up, h, out rows
         t = np.maximum(flops / (self.tflops * 1e12), nbytes / (self.hbm_TBps * 1e12))
         return t + np.where(tokens > 0, self.launch_us * 1e-6, 0.0)
+
+    def weight_reads(self, counts: np.ndarray) -> np.ndarray:  # [L, M, S] -> [L, M]
+        """How many times a GPU reads expert weights: once per slot with tokens."""
+        return np.count_nonzero(counts, axis=-1)
 
 
 def exchange_seconds(gpu_choices: np.ndarray, shape: ModelShape, link: LinkModel) -> np.ndarray:
