@@ -108,8 +108,10 @@ class EplbConfig:
     many of a slot's tokens (128 on an H200, measured), so a slot with 129 tokens reads
     twice. A layer (global placement) whose GPUs cost more in tokens and reads than
     DeepSeek's replica counts packed afresh for the same load is brought down to that cost,
-    through those counts when that moves less (benchmarks/README.md, issue 29,
-    2026-12-04). 0 = one read per non-empty slot, and no such catch-up."""
+    through those counts when that moves less; at the first plan from the start-up
+    placement, a layer that neither gets there takes that fresh packing with its GPUs
+    relabelled (benchmarks/README.md, issue 29, 2026-12-04 and 2026-12-05 (fourth)). 0 =
+    one read per non-empty slot, and no such catch-up."""
     zero_load_warn_steps: int = 100
     """At this step, warn once (rank 0) if no rank recorded any load in its window yet:
     the model is not adding the tokens each slot receives into `expert_load_view`

@@ -17,6 +17,9 @@ import numpy as np
 FORMAT_VERSION = 1
 
 
+INITIAL_POLICY = "initial"  # `Placement.policy` of the start-up placement (`Placement.initial`)
+
+
 @dataclass(frozen=True, eq=False)
 class Placement:
     physical_to_logical: np.ndarray  # [L, P] int64
@@ -202,9 +205,18 @@ class Placement:
     @classmethod
     def initial(cls, num_layers: int, num_logical_experts: int, num_slots: int,
                 num_gpus: int, num_nodes: int = 1) -> "Placement":
-        """The start-up placement: slot p holds expert p % N in every layer."""
+        """The start-up placement: slot p holds expert p % N in every layer. Its policy is
+        `INITIAL_POLICY` (see `is_initial`)."""
         p2l = np.tile(np.arange(num_slots) % num_logical_experts, (num_layers, 1))
-        return cls(p2l, num_logical_experts, num_gpus, num_nodes, policy="initial")
+        return cls(p2l, num_logical_experts, num_gpus, num_nodes, policy=INITIAL_POLICY)
+
+    @property
+    def is_initial(self) -> bool:
+        """Whether this is the start-up placement (or what a placement change that stopped
+        part way left of it): no plan chose it, its spare slots hold the first experts
+        whatever their load, so a planner need not keep its layout (the decode-aware
+        catch-up may replace a layer of it, `policy.balanced.reads.spread_reads`)."""
+        return self.policy == INITIAL_POLICY
 
     def with_physical_to_logical(self, p2l: np.ndarray, policy: str = "",
                                  shares: np.ndarray | None = None) -> "Placement":

@@ -100,7 +100,11 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
     token-expert choices per step; see `reads`), kept per row when it lowers the largest
     GPU cost by more than tol (any gain without `previous`). With tiles and a global
     placement, a layer that costs more that way than DeepSeek's replica counts packed
-    afresh is brought down to that cost (through those counts when that moves less).
+    afresh is brought down to that cost (through those counts when that moves less). From
+    scratch or from the start-up placement, where no layout is worth keeping, a layer
+    that neither gets there takes that packing, its GPUs relabelled: the first plan then
+    moves more, and the plans after it less (benchmarks/README.md, issue 29, 2026-12-05
+    (fourth)).
 
     `options.weighted`: also return per-slot shares [L, P] (each expert's shares sum to
     1). With shares, balance is limited only by where the replicas are (a flow problem),
@@ -134,12 +138,15 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
         if reads > 0:  # decode-aware: spread the weight reads of cold slots (`reads`)
             rows = k if hierarchical else 1
             choices, tiles = float(options.step_choices), float(options.tile_rows)
-            reference = None  # no layer may cost more than a fresh packing of DeepSeek's counts
+            reference = ref_p2l = None  # no layer may cost more than a fresh packing of DeepSeek's counts
             if not hierarchical and tiles > 0:
-                reference = layer_cost(w, fresh_reference(w, P, M), M, choices, reads, tiles)  # [L] x 2
+                ref_p2l = fresh_reference(w, P, M)  # [L, P]
+                reference = layer_cost(w, ref_p2l, M, choices, reads, tiles)  # [L] x 2
+                if prev is not None and not previous.is_initial:
+                    ref_p2l = None  # a layout worth keeping: the catch-up moves it, never replaces it
             p2l = spread_reads(w, p2l.reshape(L * rows, P // rows), M // rows, choices, reads, rows,
                                min_gain=tol if prev is not None else 0.0,
                                dispatch_tokens=float(options.dispatch_tokens), tile_rows=tiles,
-                               reference=reference).reshape(L, P)
+                               reference=reference, reference_p2l=ref_p2l).reshape(L, P)
         return p2l
     return plan_shares(w, p2l, M, k, hierarchical, prev, tol)

@@ -22,13 +22,14 @@ this objective (`objective`) falls by more than `min_gain` (relative): each swap
 copies. With `tile_rows` 0 and every slot expecting at least `WARM_TOKENS` tokens per step
 the read term is the same on every GPU (every slot reads once) and the pass does nothing.
 
-Kept layouts keep the replica counts they started from (those of the start-up placement,
-at first), which token balance cannot tell apart and reads can: a row costlier than a
+Kept layouts keep the replica counts they started from (those of the first plan at
+first), which token balance cannot tell apart and reads can: a row costlier than a
 fresh plan of the same load, DeepSeek's replica counts packed for tokens
 (`fresh_reference`, `layer_cost`), catches up with it, through those counts when that
-moves less (`spread_reads`). The runtime's defaults (`EplbConfig.read_tokens`, `dispatch_tokens`,
-`tile_rows`) and what they were measured against: benchmarks/README.md, issue 29 ("Target
-3 ... on by default" and 2026-12-04).
+moves less; from scratch or from the start-up placement, a row that neither gets there
+takes that plan relabelled (`spread_reads`). The runtime's defaults (`EplbConfig.read_tokens`,
+`dispatch_tokens`, `tile_rows`) and what they were measured against: benchmarks/README.md,
+issue 29 ("Target 3 ... on by default", 2026-12-04 and 2026-12-05 (fourth)).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 
 from eplb.core.policy.base import DEFAULT_TILE_ROWS
-from eplb.core.policy.balanced.moves import transition
+from eplb.core.policy.balanced.moves import align, transition
 from eplb.core.policy.balanced.packing import pack, repair_duplicates
 from eplb.core.policy.balanced.refinement import improve_max
 from eplb.core.policy.balanced.replicas import replica_counts
@@ -55,7 +56,8 @@ EXCLUDED = 1e300  # swap_down: what an excluded swap adds to its score (a few st
 def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, read_tokens: float,
                  rows_per_layer: int = 1, min_gain: float = 0.0,
                  dispatch_tokens: float = np.inf, tile_rows: float = DEFAULT_TILE_ROWS,
-                 reference: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+                 reference: tuple[np.ndarray, np.ndarray] | None = None,
+                 reference_p2l: np.ndarray | None = None) -> np.ndarray:
     """The decode-aware pass over a plan.
 
     w [L, n] loads of each layer; p2l [L * rows_per_layer, p] the plan's rows (with nodes:
@@ -72,9 +74,13 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     the move to DeepSeek's replica counts with one copy per changed count
     (`moves.transition`) and the tokens re-balanced, then swaps; its busiest GPU's tokens
     may then rise to the reference's, and beyond at `CATCH_UP_DISPATCH_TOKENS` per token
-    (never with `dispatch_tokens` inf). Kept layouts otherwise keep the replica counts
-    they started from, which token balance cannot tell apart but tiles can
-    (benchmarks/README.md, issue 29).
+    (never with `dispatch_tokens` inf). With `reference_p2l` [L, p] (that fresh plan; one
+    row per layer; given when no layout is worth keeping: from scratch, or from the
+    start-up placement) a third candidate is the fresh plan itself, its GPUs relabelled
+    towards the row (`moves.align`): it is at the reference's cost, so a row over it
+    always gets there, moving the most when neither other candidate does. Kept layouts
+    otherwise keep the replica counts they started from, which token balance cannot tell
+    apart but tiles can (benchmarks/README.md, issue 29).
     Returns the rows with the lowest largest GPU cost found."""
     if read_tokens <= 0 or step_choices <= 0 or m < 2:
         return p2l
@@ -143,6 +149,8 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
             moved, _ = improve_max(wr, moved, m, m, budget=READ_ITERS, target=cap * total[rows] / step_choices,
                                    fix=True)
             cands.append(moved)
+            if reference_p2l is not None:
+                cands.append(align(reference_p2l[rows], p2l[rows], m, n))
         best, best_after, best_moves = p2l[rows], top[rows], np.zeros(rows.size, dtype=np.int64)
         lr = layer[rows]  # [R'] (the rows are whole layers here)
         for i, start in enumerate(cands):  # the first keeps its counts: its costs are known
