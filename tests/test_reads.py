@@ -375,8 +375,8 @@ def test_bad_tile_rows_are_refused(value):
 
 
 def test_a_row_over_the_fresh_reference_always_gets_down_to_it():
-    """spread_reads on the first plans from the start-up placement (token-balanced, with
-    fresh replica counts, before any read is counted): every row whose cost (tokens plus
+    """spread_reads on the first plans from the start-up placement (token-balanced, before
+    any read is counted): every row whose cost (tokens plus
     expected reads per 128-row tile, as the pass counts them) is above that of the fresh
     reference ends at or below it. Swaps and DeepSeek's counts alone leave some of these
     rows above it; the fresh plan relabelled is the candidate that always gets there."""

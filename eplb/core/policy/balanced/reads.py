@@ -22,8 +22,8 @@ this objective (`objective`) falls by more than `min_gain` (relative): each swap
 copies. With `tile_rows` 0 and every slot expecting at least `WARM_TOKENS` tokens per step
 the read term is the same on every GPU (every slot reads once) and the pass does nothing.
 
-Kept layouts keep the replica counts they started from (those of the first plan at
-first), which token balance cannot tell apart and reads can: a row costlier than a
+Kept layouts keep the replica counts they started from (those of the start-up placement
+at first), which token balance cannot tell apart and reads can: a row costlier than a
 fresh plan of the same load, DeepSeek's replica counts packed for tokens
 (`fresh_reference`, `layer_cost`), catches up with it, through those counts when that
 moves less; from scratch or from the start-up placement, a row that neither gets there
