@@ -1,23 +1,24 @@
-"""Issue 29: default/deepseek on an H200 GEMM fit, over the synthetic families' draws.
+"""Issue 29: default/deepseek on a GPU's GEMM fit, over the synthetic families' draws.
 
 Plans a synthetic family (benchmarks/issue29.py, 40 steps, 4 layers) afresh for each
-`--family-seeds` draw (or a shared trace, `--trace esft|olmoe`, once), with the runtime's settings (`issue29._opts`) or a variant of them,
-and replays it three ways: on the fit of an H200 `--cost gpu` run with expected counts
-(what a GPU row scores) and with Poisson counts (mean over 4 seeds), and on the analytic
-cost. Variants are PlanOptions fields (`--set read_tokens=300`), or `--first-from-scratch`
-(the first plan from the start-up placement at tolerance 0, patched in by
-`issue29_fitted_gpu.first_from_scratch`; not in the planner).
+`--family-seeds` draw (or a shared trace, `--trace esft|olmoe`, once), with the runtime's
+settings (`issue29._opts`) or a variant of them, and replays it three ways: on the fit of
+a `--cost gpu` run with expected counts (what a GPU row scores) and with Poisson counts
+(mean over 4 seeds), and on the analytic cost. Variants are PlanOptions fields (`--set
+read_tokens=300`), or `--first-from-scratch` (the first plan from the start-up placement at
+tolerance 0, patched in by `issue29_fitted_gpu.first_from_scratch`; not in the planner).
 
     python benchmarks/diag/issue29_fitted_sweep.py --model qwen3-235b --ep 8 --trace steady-lognormal \\
-        --family-seeds 29,30,31,32 [--set read_tokens=300] [--first-from-scratch]
+        --family-seeds 29,30,31,32 [--preset prefill] [--fit RUN/issue29.json] [--set read_tokens=300]
 
-The fits (decode only): DeepSeek-V3 from the EP 16 run of 2026-12-03, Qwen3-235B from the
-EP 8 run of 2026-12-04 (c6), as in `issue29_row_time.DEFAULT_FITS`.
+The fits: `issue29_row_time.fit_for` (H200 runs: DeepSeek-V3 decode from the EP 16 run of
+2026-12-03, prefill from the EP 128-256 run of 2026-12-04, Qwen3-235B decode from the EP 8
+run of 2026-12-04 (c6); Qwen3-235B prefill has none of its own and takes DeepSeek-V3's
+scaled by expert size), or `--fit`: the fit stored in another run's issue29.json.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -34,8 +35,9 @@ from eplb.core.cost_model import MODEL_PRESETS, AnalyticCost, LinkModel  # noqa:
 from eplb.core.policy.balanced.reads import expert_tokens, layer_cost  # noqa: E402
 from eplb.core.policy.balanced.rows import counts_of  # noqa: E402
 from eplb.core.scale import plan_scale, scale_replay, slot_counts  # noqa: E402
+from eplb.ops.gpu_cost import FEATURES  # noqa: E402
 from issue29_fitted_gpu import FittedCost, first_from_scratch  # noqa: E402
-from issue29_row_time import DEFAULT_FITS  # noqa: E402
+from issue29_row_time import fit_for  # noqa: E402
 
 POISSON_SEEDS = 4
 
@@ -57,8 +59,8 @@ def fresh_windows(a, shape, cost) -> None:
     and deepseek, scored on the next 4 steps' expected counts with the fit."""
     from eplb.core.planning import plan
     M, P = a.ep, shape.num_experts + a.ep
-    choices = M * issue29.TOKEN_PRESETS["decode"] * shape.top_k
-    opts = issue29._opts(0.05, M, shape, "decode")
+    choices = M * issue29.TOKEN_PRESETS[a.preset] * shape.top_k
+    opts = issue29._opts(0.05, M, shape, a.preset)
     busiest = {"deepseek": [], "default": []}
     for seed in (int(x) for x in a.family_seeds.split(",")):
         trace = _draw(a, seed)
@@ -72,7 +74,7 @@ def fresh_windows(a, shape, cost) -> None:
                 for t in range(w0 + 4, w0 + 8):
                     busiest[kind].append(cost(shape, slot_counts(shares[t], pl, choices, None)).max(-1).mean())
     d, s = np.mean(busiest["default"]), np.mean(busiest["deepseek"])
-    print(f"{a.model} EP {M} decode {a.trace}, fresh plans per window, draws {a.family_seeds}: "
+    print(f"{a.model} EP {M} {a.preset} {a.trace}, fresh plans per window, draws {a.family_seeds}: "
           f"{len(busiest['default']) // 4} windows, busiest GPU fitted cost default {1e6 * d:.2f} us, "
           f"deepseek {1e6 * s:.2f} us, deepseek/default {s / d:.4f}")
 
@@ -80,13 +82,13 @@ def fresh_windows(a, shape, cost) -> None:
 def blocks(a, shape, cost, changes) -> None:
     """The replay of the first draw block by block, and one layer of its first block."""
     M, P = a.ep, shape.num_experts + a.ep
-    N, choices = shape.num_experts, M * issue29.TOKEN_PRESETS["decode"] * shape.top_k
+    N, choices = shape.num_experts, M * issue29.TOKEN_PRESETS[a.preset] * shape.top_k
     trace = _draw(a, int(a.family_seeds.split(",")[0]))
-    opts = replace(issue29._opts(0.05, M, shape, "decode"), **changes)
+    opts = replace(issue29._opts(0.05, M, shape, a.preset), **changes)
     loads, planned = plan_scale(trace, shape, M, P, issue29.WINDOW, issue29.INTERVAL, LinkModel(),
                                 ("deepseek", "default"), opts=opts)
     shares = loads / loads.sum(-1, keepdims=True)  # [T, L, N]
-    print(f"{a.model} EP {M} decode {a.trace}: per block, per layer, deepseek's busiest GPU fitted cost over "
+    print(f"{a.model} EP {M} {a.preset} {a.trace}: per block, per layer, deepseek's busiest GPU fitted cost over "
           "the default's (below 1: the default is slower)")
     for bd, bs in zip(planned["default"], planned["deepseek"]):
         f = [np.mean([cost(shape, slot_counts(shares[t], b.placement, choices, None)).max(-1)
@@ -116,6 +118,11 @@ def main() -> None:
                     help="a family (one row per draw) or a shared trace (one row)")
     ap.add_argument("--shared", type=Path, default=issue29.SHARED, help="the shared traces' npy folder")
     ap.add_argument("--family-seeds", default="29,30,31,32")
+    ap.add_argument("--preset", default="decode", choices=tuple(issue29.TOKEN_PRESETS),
+                    help="tokens per GPU per step (issue29.TOKEN_PRESETS) and the fit of that preset")
+    ap.add_argument("--fit", type=Path, default=None,
+                    help="an issue29.json of a `--cost gpu` run whose fit to use for --model and --preset "
+                         "(default: issue29_row_time.DEFAULT_FITS; Qwen3-235B prefill: DeepSeek-V3's scaled)")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="a PlanOptions field of the default's plans (repeatable)")
     ap.add_argument("--first-from-scratch", action="store_true")
@@ -130,10 +137,10 @@ def main() -> None:
     if a.first_from_scratch:
         first_from_scratch()
     shape = MODEL_PRESETS[a.model]
-    M, P, tokens = a.ep, shape.num_experts + a.ep, issue29.TOKEN_PRESETS["decode"]
-    fit = json.loads(DEFAULT_FITS[(a.model, "decode")].read_text())["gpu"][a.model]["decode"]["fit"]
-    cost, analytic, link = FittedCost(fit), AnalyticCost(), LinkModel()
-    changes = {k: type(getattr(issue29._opts(0.05, M, shape, "decode"), k))(v)
+    M, P, tokens = a.ep, shape.num_experts + a.ep, issue29.TOKEN_PRESETS[a.preset]
+    coef, source = fit_for(a.model, a.preset, {} if a.fit is None else {(a.model, a.preset): a.fit})
+    cost, analytic, link = FittedCost(dict(zip(FEATURES, coef))), AnalyticCost(), LinkModel()
+    changes = {k: type(getattr(issue29._opts(0.05, M, shape, a.preset), k))(v)
                for k, v in (s.split("=", 1) for s in a.set)}
     parts = [f"{k}={v}" for k, v in changes.items()] + (["first plan from scratch"] if a.first_from_scratch else [])
     label = ", ".join(parts) or "runtime defaults"
@@ -141,13 +148,13 @@ def main() -> None:
         return fresh_windows(a, shape, cost)
     if a.blocks is not None:
         return blocks(a, shape, cost, changes)
-    print(f"{a.model} EP {M} decode {a.trace}, {label}")
+    print(f"{a.model} EP {M} {a.preset} {a.trace}, {label}; fit: {source}")
     print("| draw (families) | fit, expected counts | fit, Poisson (4 seeds) | analytic | moves/rebalance |")
     print("|---|---|---|---|---|")
     seeds = [int(x) for x in a.family_seeds.split(",")] if a.trace in issue29.SYNTHETIC else [issue29.FAMILY_SEED]
     for seed in seeds:
         trace = _draw(a, seed)  # [T, L, N]
-        opts = replace(issue29._opts(0.05, M, shape, "decode"), **changes)
+        opts = replace(issue29._opts(0.05, M, shape, a.preset), **changes)
         planned = plan_scale(trace, shape, M, P, issue29.WINDOW, issue29.INTERVAL, link, ("deepseek", "default"),
                              opts=opts)
 
