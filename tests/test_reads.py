@@ -14,9 +14,10 @@ import pytest
 from eplb.core.planning import plan
 
 
-def _loads(seed: int, L: int = 6, N: int = 64) -> np.ndarray:  # [L, N]: a few hot experts, many cold
+def _loads(seed: int, L: int = 6, N: int = 64, sigma: float = 2.5) -> np.ndarray:
+    """[L, N]: lognormal loads (a few hot experts, many cold), each layer summing to 1e6."""
     rng = np.random.default_rng(seed)
-    w = rng.lognormal(0.0, 2.5, size=(L, N))
+    w = rng.lognormal(0.0, sigma, size=(L, N))
     return w / w.sum(1, keepdims=True) * 1e6
 
 
@@ -330,9 +331,7 @@ def test_a_kept_layout_catches_up_with_deepseeks_cost_through_its_counts(seed, s
     from eplb.core.placement import Placement
 
     L, N, M, P = 4, 64, 8, 72
-    rng = np.random.default_rng(seed)
-    load = rng.lognormal(0.0, 1.0, (L, N))
-    load = load / load.sum(1, keepdims=True) * 1e6  # [L, N]
+    load = _loads(seed, L, N, sigma=1.0)  # [L, N]
     choices, read = M * 128 * 4.0, 100.0  # 128 tokens per GPU, top-4: the hot slots overflow a tile
     prev = Placement.initial(L, N, P, M)
     if not start_up:
@@ -387,9 +386,7 @@ def test_a_row_over_the_fresh_reference_always_gets_down_to_it():
     choices, read = M * 128 * 4.0, 100.0  # 128 tokens per GPU, top-4: the hot slots overflow a tile
     over_rows = 0
     for seed in range(4):
-        rng = np.random.default_rng(seed)
-        load = rng.lognormal(0.0, 1.0, (L, N))
-        load = load / load.sum(1, keepdims=True) * 1e6  # [L, N]
+        load = _loads(seed, L, N, sigma=1.0)  # [L, N]
         p2l = plan(load, M, P, previous=Placement.initial(L, N, P, M)).physical_to_logical  # [L, P]
         ref = fresh_reference(load, P, M)  # [L, P]
         ref_cost = layer_cost(load, ref, M, choices, read)
@@ -416,9 +413,7 @@ def test_from_the_start_up_placement_no_layer_costs_more_than_the_fresh_referenc
     choices, read = M * 128 * 4.0, 100.0  # 128 tokens per GPU, top-4: the hot slots overflow a tile
     above = 0  # layers of the planned layout left above the reference
     for seed in range(6):
-        rng = np.random.default_rng(seed)
-        load = rng.lognormal(0.0, 1.0, (L, N))
-        load = load / load.sum(1, keepdims=True) * 1e6  # [L, N]
+        load = _loads(seed, L, N, sigma=1.0)  # [L, N]
         start = Placement.initial(L, N, P, M)
         planned = start.with_physical_to_logical(start.physical_to_logical, policy="default")
         ref = layer_cost(load, fresh_reference(load, P, M), M, choices, read)[0]  # [L]
