@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_bench_row_time import diag_module
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID = ROOT / "benchmarks" / "results" / "2026-12-05-issue29-fresh-counts" / "steady-lognormal_shift-lognormal_drift.json"
@@ -16,11 +17,7 @@ GRID = ROOT / "benchmarks" / "results" / "2026-12-05-issue29-fresh-counts" / "st
 def _sweep(monkeypatch, capsys, *args: str) -> tuple[str, list[float]]:
     """(header, [fit expected, fit Poisson, analytic]) of the sweep over draw 29 of the
     steady family, Qwen3-235B at EP 8."""
-    sys.path.insert(0, str(ROOT / "benchmarks" / "diag"))
-    try:
-        import issue29_fitted_sweep as sweep
-    finally:
-        sys.path.pop(0)
+    sweep = diag_module("issue29_fitted_sweep")
     monkeypatch.setattr(sys, "argv", ["sweep", "--model", "qwen3-235b", "--ep", "8", "--trace", "steady-lognormal",
                                       "--family-seeds", "29", *args])
     sweep.main()
@@ -47,12 +44,7 @@ def test_the_preset_replayed_is_the_one_named(monkeypatch, capsys, preset):
 
 def test_a_fit_given_replaces_the_default_one(monkeypatch, capsys, tmp_path):
     from eplb.ops.gpu_cost import FEATURES
-    sys.path.insert(0, str(ROOT / "benchmarks" / "diag"))
-    try:
-        from issue29_row_time import fit_for
-    finally:
-        sys.path.pop(0)
-    coef, _ = fit_for("qwen3-235b", "decode", {})  # the default fit, written to a file of our own
+    coef, _ = diag_module("issue29_row_time").fit_for("qwen3-235b", "decode", {})  # the default fit, written to a file of our own
     same, dear = tmp_path / "same.json", tmp_path / "dear.json"
     for path, c in ((same, coef), (dear, coef * [1, 1, 1, 1, 40])):  # dear: a 128-row tile costs 40x
         path.write_text(json.dumps({"gpu": {"qwen3-235b": {"decode": {"fit": dict(zip(FEATURES, c.tolist()))}}}}))

@@ -2,6 +2,7 @@
 replays `GpuGemmCost`'s own choices, and counts device time as `_time_graph` spends it."""
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -16,13 +17,17 @@ TINY = ModelShape("tiny", hidden=64, intermediate=32, num_experts=16, top_k=2, n
 COEF = np.array([30e-6, 3e-6, 1e-9, 0.0, 11e-6])  # seconds per launch, slot, token, 64-, 128-row tile
 
 
-def _forecast_module():
+def diag_module(name: str):
+    """The module `name` of benchmarks/diag (which imports its neighbours by name)."""
     sys.path.insert(0, str(ROOT / "benchmarks" / "diag"))
     try:
-        import issue29_row_time
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return issue29_row_time
+
+
+def _forecast_module():
+    return diag_module("issue29_row_time")
 
 
 def _device_seconds(t: float, reps: int) -> float:
