@@ -10,8 +10,6 @@ call, the calls printed by their lowest ratio.
 
     python benchmarks/results/2026-12-05-issue29-h100/remaining.py > benchmarks/results/2026-12-05-issue29-h100/remaining.md
 """
-import re
-
 import summary
 
 CALL_S = 540
@@ -22,18 +20,12 @@ def main():
     done = {(m["model"], m["trace"], int(m["ep"]), m["preset"]) for _, m in summary.measured() if m["dd"]}
     an = summary.analytic()
     rows = []  # (model, spec, limit, ratio)
-    for line in (summary.GRID / "forecast" / "schedule.md").read_text().splitlines():
-        cells = [c.strip() for c in line.split("|")[1:-1]]
-        if len(cells) != 7 or not re.match(r"\d+:", cells[0]):
-            continue
-        ep, preset, trace, *extra = cells[0].split(":")
-        model = "qwen3-235b" if "--model=qwen3-235b" in extra else "deepseek-v3"
-        flags = [e for e in extra if not e.startswith("--model=")]
+    for model, ep, preset, trace, flags, seconds, ratio in summary.schedule():
         if (model, trace, int(ep), preset) in done and not flags:
             continue
-        limit = round(2 * float(cells[4]) + 30)
+        limit = round(2 * seconds + 30)
         rows.append((model, ":".join([ep, preset, trace, str(limit)] + ([",".join(flags)] if flags else [])), limit,
-                     float(cells[5])))
+                     ratio))
     for model, trace, ep, preset in sorted(summary.changed() - done):
         if not any(r[1].startswith(f"{ep}:{preset}:{trace}:") and r[0] == model for r in rows):
             rows.append((model, f"{ep}:{preset}:{trace}:{CHANGED_S}", CHANGED_S, an[(model, trace, ep, preset)]))

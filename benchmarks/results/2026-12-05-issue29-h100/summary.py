@@ -39,16 +39,22 @@ def analytic():
     return out
 
 
-def forecast():
-    out = {}
+def schedule():
+    """Each row of the forecast's schedule: (model, ep, preset, trace, flags (issue29.py
+    options other than --model), forecast seconds on the host, ratio on the fit)."""
     for line in (GRID / "forecast" / "schedule.md").read_text().splitlines():
         cells = [c.strip() for c in line.split("|")[1:-1]]
         if len(cells) == 7 and re.match(r"\d+:", cells[0]):
             ep, preset, trace, *extra = cells[0].split(":")
             model = "qwen3-235b" if "--model=qwen3-235b" in extra else "deepseek-v3"
-            if not any(e.startswith("--retime") for e in extra):
-                out[(model, trace, int(ep), preset)] = float(cells[5])
-    return out
+            flags = [e for e in extra if not e.startswith("--model=")]
+            yield model, ep, preset, trace, flags, float(cells[4]), float(cells[5])
+
+
+def forecast():
+    """(model, trace, ep, preset) -> the fit's ratio, for the schedule's rows without re-timing."""
+    return {(model, trace, int(ep), preset): ratio for model, ep, preset, trace, flags, _, ratio in schedule()
+            if not any(f.startswith("--retime") for f in flags)}
 
 
 def earlier_gpu():
