@@ -8,6 +8,9 @@ plans re-made after b8c0c2b (`.devplans/all`), next to what predicted them:
   code version), with its date and file; `changed` marks the 26 configurations whose plans
   b8c0c2b changed (../2026-12-05-issue29-fresh-counts/summary.txt).
 
+The calls: c1-c16, the fifth session's (2026-12-05); s6-r1 ... s6-r11, the sixth session's,
+numbered as remaining.md then listed them (s6-r1b: s6-r1's EP 8 and 16 rows again).
+
     python benchmarks/results/2026-12-05-issue29-h100/summary.py > benchmarks/results/2026-12-05-issue29-h100/summary.md
 """
 import json
@@ -24,7 +27,7 @@ LINE = re.compile(r"^(?P<name>\S+) rc (?P<rc>\d+) wall (?P<wall>\d+) s (?:(?P<mo
 
 
 def measured():
-    for log in sorted(HERE.glob("c*/rows.log")):
+    for log in sorted(HERE.glob("*/rows.log")):
         for line in log.read_text().splitlines():
             m = LINE.match(line)
             if m:
