@@ -14,11 +14,16 @@ call, the calls printed by their lowest ratio.
 import summary
 
 CALL_S = 540
-CHANGED_S = 120
-RETIME_S = 560  # the retimed row: a call of its own (it did not finish in 190 s, nor in 247 s on 2026-12-05 (sixth))  # a changed configuration outside the schedule (DeepSeek-V3 EP 8 prefill): its limit
+CHANGED_S = 120  # a changed configuration outside the schedule (DeepSeek-V3 EP 8 prefill): its limit
+RETIME_S = 560  # the retimed row: a call of its own (it did not finish in 190 s, nor in 247 s on 2026-12-05 (sixth))
 
 
 def main():
+    print_calls(rows())
+
+
+def rows() -> list:
+    """The rows to run: (model, spec, limit, ratio)."""
     done = {(m["model"], m["trace"], int(m["ep"]), m["preset"]) for _, m in summary.measured() if m["dd"]}
     an = summary.analytic()
     rows = []  # (model, spec, limit, ratio)
@@ -33,8 +38,13 @@ def main():
     for model, trace, ep, preset in sorted(summary.changed() - done):
         if not any(r[1].startswith(f"{ep}:{preset}:{trace}:") and r[0] == model for r in rows):
             rows.append((model, f"{ep}:{preset}:{trace}:{CHANGED_S}", CHANGED_S, an[(model, trace, ep, preset)]))
+    return rows
+
+
+def print_calls(rows, plans: str = ".devplans/all") -> None:
+    """Pack rows (model, spec, limit, ratio) into device calls and print them (see above)."""
     print(f"{len(rows)} rows; limits {sum(r[2] for r in rows)} s in all\n")
-    rows.sort(key=lambda r: r[3])
+    rows = sorted(rows, key=lambda r: r[3])
     calls = []  # (lowest ratio, model, specs, limits, ratios)
     for model in ("deepseek-v3", "qwen3-235b"):
         mine: list[list] = []  # first fit: a row joins the first call it fits in
@@ -51,8 +61,9 @@ def main():
     for n, (_, model, specs, total, ratios) in enumerate(sorted(calls, key=lambda c: c[0]), 1):
         print(f"# call {n}: {len(specs)} rows, limits {total} s; expected default/deepseek "
               f"{' '.join(f'{x:.4f}' for x in ratios)}")
-        print(f"OUT=$OUT/r{n} PLANS=.devplans/all SHARED=.devshared/traces/npy MODEL={model} "
+        print(f"OUT=$OUT/r{n} PLANS={plans} SHARED=.devshared/traces/npy MODEL={model} "
               f"taskset -c 4-15 bash benchmarks/issue29_gpu_rows.sh {' '.join(specs)}")
+
 
 if __name__ == "__main__":
     main()
