@@ -11,7 +11,7 @@ import pytest
 from test_bench_row_time import diag_module
 
 ROOT = Path(__file__).resolve().parents[1]
-GRID = ROOT / "benchmarks" / "results" / "2026-12-05-issue29-fresh-counts" / "steady-lognormal_shift-lognormal_drift.json"
+GRID = ROOT / "benchmarks" / "results" / "2026-12-05-issue29-heavy" / "steady-lognormal_shift-lognormal_drift.json"
 
 
 def _sweep(monkeypatch, capsys, *args: str) -> tuple[str, list[float]]:
@@ -28,7 +28,7 @@ def _sweep(monkeypatch, capsys, *args: str) -> tuple[str, list[float]]:
 
 def _grid(preset: str) -> float:
     """default/deepseek of the same configuration (family seed 29) in the analytic grid that
-    benchmarks/issue29.py wrote (results/2026-12-05-issue29-fresh-counts)."""
+    benchmarks/issue29.py wrote (results/2026-12-05-issue29-heavy: the planner as it is)."""
     doc = json.loads(GRID.read_text())
     assert doc["family_seed"] == 29 and doc["counts"] == "expected" and doc["cost"] == "analytic"
     return next(r["default/deepseek"] for r in doc["rows"] if (r["model"], r["trace"], r["ep"], r["preset"])

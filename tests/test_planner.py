@@ -16,6 +16,7 @@ from eplb.core.placement import Placement
 from eplb.core.planning import plan
 from eplb.core.policy.base import PolicyOptions
 from eplb.core.policy.registry import get_policy
+from eplb.core.policy.balanced.moves import HEAVY_ROWS, HEAVY_TOLERANCE
 from eplb.core.policy.balanced.replicas import compositions, exact_counts_pairs, pairing_max, replica_counts
 from eplb.core.transfer_plan import transfer_stats
 
@@ -322,6 +323,34 @@ def test_previous_far_from_optimal_is_fixed():
         check_valid(p, load, 80, 16)
         scratch = imbalance(plan(load, 16, 80), load)
         assert (imbalance(p, load) <= (1 + tol) * scratch * (1 + 1e-9)).all()
+
+
+def heaviest_replica(p: Placement, load: np.ndarray) -> np.ndarray:  # [L] tokens of the heaviest replica
+    c = p.replica_count()  # [L, N]
+    return np.array([(load[l] / c[l])[p.physical_to_logical[l]].max() for l in range(load.shape[0])])
+
+
+@pytest.mark.parametrize("name,M,P", [("esft", 16, 80), ("esft", 8, 72), ("olmoe", 8, 80)])
+def test_previous_keeps_no_hot_expert_short_of_replicas(name, M, P):
+    """GPU totals within the tolerance do not keep a layout whose hot expert has too few
+    replicas once the tokens per step are known: from the start-up placement (the spare
+    slots on the first experts) the heaviest replica ends below HEAVY_ROWS tokens per step
+    or within 1 + HEAVY_TOLERANCE of the from-scratch plan's (on a GPU a prefill GEMM
+    slows down with its largest group), and the GPU target still holds. Without the tokens
+    per step the start-up counts stay where they balance."""
+    load = ESFT if name == "esft" else OLMOE
+    L = load.shape[0]
+    start = Placement.initial(L, 64, P, M)
+    tol = 0.03
+    choices = HEAVY_ROWS * M * 4.0  # HEAVY_ROWS tokens per step = a quarter of the mean GPU load
+    scratch = plan(load, M, P)
+    bound = np.maximum((1 + HEAVY_TOLERANCE) * heaviest_replica(scratch, load), load.sum(1) / (4 * M))  # [L]
+    kept = plan(load, M, P, previous=start, move_tolerance=tol)
+    assert (heaviest_replica(kept, load) > bound * 1.01).any()  # the case arises without the check
+    p = plan(load, M, P, previous=start, move_tolerance=tol, step_choices=choices)
+    check_valid(p, load, P, M)
+    assert (heaviest_replica(p, load) <= bound * (1 + 1e-9)).all()
+    assert (imbalance(p, load) <= (1 + tol) * imbalance(scratch, load) * (1 + 1e-9)).all()
 
 
 def test_previous_from_deepseek_with_duplicates():

@@ -50,7 +50,7 @@ import numpy as np
 
 from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
 from eplb.core.policy.deepseek import deepseek_policy
-from eplb.core.policy.balanced.moves import plan_rows
+from eplb.core.policy.balanced.moves import HEAVY_ROWS, plan_rows
 from eplb.core.policy.balanced.reads import fresh_reference, layer_cost, spread_reads
 from eplb.core.policy.balanced.shares import plan_shares, replica_shares
 from eplb.core.policy.balanced.topology import plan_hierarchical
@@ -94,6 +94,12 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
     the hierarchical case the previous group-to-node assignment is kept while its max
     node load is within the same tolerance.
 
+    With `options.step_choices` (the token-expert choices per step of a layer) a layer
+    keeps its replica counts only while its heaviest replica expects fewer than
+    `moves.HEAVY_ROWS` (8192) tokens per step or at most 1.5 times the from-scratch plan's
+    heaviest: a prefill GEMM slows down with its largest group, which GPU token totals do
+    not show (`moves`).
+
     `options.read_tokens` > 0 (decode-aware packing, not with weighted replicas): a last
     pass balances tokens plus the weight reads of the slots (one per `options.tile_rows`
     tokens, none for a slot that gets no token in a step; `options.step_choices`
@@ -129,10 +135,13 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
         # more slots per GPU than experts to fill them: duplicates cannot be avoided
         p2l = deepseek_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, options)
         return (p2l, replica_shares(w, p2l, M)) if weighted else p2l
+    # the load of HEAVY_ROWS tokens per step in each layer [L], when the tokens per step are known
+    choices = 0.0 if options is None else float(options.step_choices)
+    heavy = HEAVY_ROWS * w.sum(1) / choices if choices > 0 else None
     if hierarchical:
-        p2l = plan_hierarchical(w, P, M, k, int(num_groups), prev, tol)
+        p2l = plan_hierarchical(w, P, M, k, int(num_groups), prev, tol, heavy)
     else:
-        p2l = plan_rows(w, P, M, prev, tol)
+        p2l = plan_rows(w, P, M, prev, tol, heavy)
     if not weighted:
         reads = 0.0 if options is None else float(options.read_tokens)
         if reads > 0:  # decode-aware: spread the weight reads of cold slots (`reads`)

@@ -12,6 +12,23 @@ from eplb.core.policy.balanced.refinement import improve_max
 from eplb.core.policy.balanced.rows import argsort_rows, counts_of, gpu_sums, max_load, presence, slot_loads, take
 from eplb.core.policy.balanced.solve import solve
 
+# A row keeps its replica counts only while its heaviest replica carries at most
+# (1 + HEAVY_TOLERANCE) times the tokens of the from-scratch plan's heaviest replica, or
+# fewer than HEAVY_ROWS tokens per step (known when the planner is told the tokens per
+# step: `PolicyOptions.step_choices`). GPU token totals alone let a kept layout leave a
+# hot expert with too few replicas: on an H100, a prefill grouped GEMM of Qwen3-235B's
+# experts (about 33,000 rows in all) ran 4.5% above its fitted time (median) when its
+# largest group held 14,000 rows or more, and 0.8% below it with 4,000-6,000; such
+# layouts lost 1% to deepseek there (EP 8-16 steady loads; benchmarks/README.md, issue
+# 29, 2026-12-05 (sixth)).
+HEAVY_TOLERANCE = 0.5
+HEAVY_ROWS = 8192
+
+
+def heaviest(w: np.ndarray, p2l: np.ndarray) -> np.ndarray:
+    """Tokens of the heaviest replica of each row [R] (even split): w [R, n], p2l [R, p]."""
+    return slot_loads(w, p2l, counts_of(p2l, w.shape[1])).max(1)
+
 
 def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, with_source: bool = False):
     """Relabel the GPUs of `new` [R, p] (and order the slots inside each GPU) so that as
@@ -229,32 +246,38 @@ def transition(w: np.ndarray, old: np.ndarray, c_new: np.ndarray, m: int) -> np.
     return repair_duplicates(w, out, m)
 
 
-def _move_rows(w, old, scratch, target, m, cap, iters):
+def _move_rows(w, old, scratch, target, heavy_target, m, cap, iters):
     """Rows w [R', n] whose previous placement `old` [R', p] is above its `target` [R']
-    max GPU load: two candidates that start from `old`, both improved by max-GPU moves
-    (those that fix the most loaded GPU cleanly first: `improve_max(fix=True)`) until
-    they reach the target: `old` itself, and `old` moved to the from-scratch replica
-    counts of `scratch` [R', p] (`transition`: one copy per changed count, so a drifting
-    load costs the copies of its count changes, not a fresh packing). Per row the one
-    that reaches the target with fewer moved slots is kept (neither: the lower max GPU
-    load; the caller then takes the from-scratch plan). -> [R', p]"""
+    max GPU load or its `heavy_target` [R'] heaviest replica: two candidates that start
+    from `old`, both improved by max-GPU moves (those that fix the most loaded GPU cleanly
+    first: `improve_max(fix=True)`) until they reach the target: `old` itself, and `old`
+    moved to the from-scratch replica counts of `scratch` [R', p] (`transition`: one copy
+    per changed count, so a drifting load costs the copies of its count changes, not a
+    fresh packing). Per row the one that reaches both targets with fewer moved slots is
+    kept (neither: the lower max GPU load; the caller then takes the from-scratch plan).
+    -> [R', p]"""
     n = w.shape[1]
     a, _ = improve_max(w, old, m, cap, target=target, budget=iters, fix=True)  # [R', p]
     b = transition(w, old, counts_of(scratch, n), m)
     b, _ = improve_max(w, b, m, cap, target=target, budget=iters, fix=True)
     la, lb = max_load(w, a, m), max_load(w, b, m)  # [R']
     ma, mb = (a != old).sum(1), (b != old).sum(1)
-    va, vb = la <= target, lb <= target
+    va = (la <= target) & (heaviest(w, a) <= heavy_target)
+    vb = (lb <= target) & (heaviest(w, b) <= heavy_target)
     take_b = (vb & (~va | (mb < ma))) | (~va & ~vb & (lb < la))
     return np.where(take_b[:, None], b, a)
 
 
-def plan_rows(w: np.ndarray, p: int, m: int, prev: Optional[np.ndarray], tol: float) -> np.ndarray:
+def plan_rows(w: np.ndarray, p: int, m: int, prev: Optional[np.ndarray], tol: float,
+              heavy: Optional[np.ndarray] = None) -> np.ndarray:
     """Placement of rows w [R, n]: from scratch, or from `prev` [R, p] (rows of -1 = no
     previous) with at most (1 + tol) times the from-scratch max GPU load, and (on small
-    problems) at most the max GPU load of DeepSeek's own plan of the row. A row within
-    that target keeps its previous placement; one above it moves as little as it can to
-    reach it (`_move_rows`), else takes the from-scratch plan relabelled towards `prev`."""
+    problems) at most the max GPU load of DeepSeek's own plan of the row; with `heavy`
+    [R] (the load of HEAVY_ROWS tokens per step in each row; None: no such check), its
+    heaviest replica at most that or (1 + HEAVY_TOLERANCE) times the from-scratch plan's.
+    A row within these targets keeps its previous placement; one above them moves as
+    little as it can to reach them (`_move_rows`), else takes the from-scratch plan
+    relabelled towards `prev`."""
     R, n = w.shape
     cap = m
     has_prev = np.zeros(R, dtype=bool) if prev is None else (prev >= 0).all(1)
@@ -287,16 +310,24 @@ def plan_rows(w: np.ndarray, p: int, m: int, prev: Optional[np.ndarray], tol: fl
         if sel.size:
             local[sel] = repair_duplicates(w_r[sel], old[sel], m)
     # max GPU load of the previous placement (repairs swap slots, the counts stay c_old)
-    top = gpu_sums(slot_loads(w_r, local, c_old), m).max(1)  # [R']
+    x = slot_loads(w_r, local, c_old)  # [R', p]
+    top = gpu_sums(x, m).max(1)  # [R']
+    big = x.max(1)  # [R'] heaviest replica
+    if heavy is None:
+        heavy_target = np.full(top.shape, np.inf)  # [R']
+    else:
+        floor = heavy if every else heavy[r]
+        heavy_target = np.maximum((1.0 + HEAVY_TOLERANCE) * heaviest(w_r, scratch_r), floor) * (1 + 1e-12)  # [R']
     iters = iterations(PREV_WORK, (sel.size * p) ** 2, PREV_ITERS) if sel.size else 0
     # rows outside the tolerance move; large problems (iters 0): only the rows already
     # within tolerance stay
-    rn = sel[top[sel] > target[sel]] if iters > 0 else sel[:0]
+    rn = sel[(top[sel] > target[sel]) | (big[sel] > heavy_target[sel])] if iters > 0 else sel[:0]
     if rn.size:
         local = local.copy()
-        local[rn] = _move_rows(w_r[rn], local[rn], scratch_r[rn], target[rn], m, cap, iters)
+        local[rn] = _move_rows(w_r[rn], local[rn], scratch_r[rn], target[rn], heavy_target[rn], m, cap, iters)
         top[rn] = max_load(w_r[rn], local[rn], m)  # moves change counts
-    reached = ok_counts & (top <= target)  # (repaired rows hold no duplicates)
+        big[rn] = heaviest(w_r[rn], local[rn])
+    reached = ok_counts & (top <= target) & (big <= heavy_target)  # (repaired rows hold no duplicates)
     miss = np.nonzero(~reached)[0]
     if every and not reached.any():  # every row takes the relabelled plan
         return align(scratch, old, m, n)

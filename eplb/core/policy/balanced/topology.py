@@ -17,9 +17,9 @@ from eplb.core.policy.balanced.pairs import improve_pairs
 from eplb.core.policy.balanced.rows import lexmin, max_load, take
 
 
-def plan_hierarchical(w, P, M, k, G, prev, tol) -> np.ndarray:
+def plan_hierarchical(w, P, M, k, G, prev, tol, heavy=None) -> np.ndarray:
     """Groups -> nodes, then every (layer, node) is a row of the flat planner. w [L, N],
-    prev [L, P] or None -> p2l [L, P].
+    prev [L, P] or None, heavy [L] or None (`moves.plan_rows`) -> p2l [L, P].
 
     From scratch on small problems (L * P <= budgets.SMALL) a second candidate starts
     from DeepSeek's hierarchical placement (its group-to-node assignment and its
@@ -37,21 +37,22 @@ def plan_hierarchical(w, P, M, k, G, prev, tol) -> np.ndarray:
         keep = valid & (prev_max <= (1 + tol) * new_max * (1 + 1e-12))
         node = np.where(keep[:, None], prev_node, node)
         node = _relabel_nodes(node, prev_node, valid & ~keep, k)
-    p2l = _place_on_nodes(w, P, M, k, gs, node, prev, tol)
+    p2l = _place_on_nodes(w, P, M, k, gs, node, prev, tol, heavy)
     if prev is None and L * P <= SMALL:
         seed = _deepseek_hierarchical(w, P, M, k, G)  # [L, P]
         seed_node, valid = _node_assignment_of(seed, N, G, k)
         if valid.all():
-            alt = _place_on_nodes(w, P, M, k, gs, seed_node, seed, 0.0)
+            alt = _place_on_nodes(w, P, M, k, gs, seed_node, seed, 0.0, heavy)
             better = max_load(w, alt, M) < max_load(w, p2l, M)  # [L]
             p2l = np.where(better[:, None], alt, p2l)
     return p2l
 
 
-def _place_on_nodes(w, P, M, k, gs, node, prev, tol) -> np.ndarray:
+def _place_on_nodes(w, P, M, k, gs, node, prev, tol, heavy=None) -> np.ndarray:
     """Placement with the group-to-node assignment `node` [L, G]: every (layer, node) is
     a row of `plan_rows` over that node's experts, with the node's part of `prev`
-    [L, P] as its previous placement where it holds exactly those experts."""
+    [L, P] as its previous placement where it holds exactly those experts (and its
+    layer's `heavy` [L], when given)."""
     L, N = w.shape
     G = N // gs
     Nk = N // k
@@ -83,7 +84,7 @@ def _place_on_nodes(w, P, M, k, gs, node, prev, tol) -> np.ndarray:
         key = sub_prev + (np.arange(L * k) * (Nk + 1) + 1)[:, None]
         cnt = np.bincount(key.ravel(), minlength=L * k * (Nk + 1)).reshape(L * k, Nk + 1)
         sub_prev[cnt[:, 1:].min(1) == 0] = -1
-    sub = plan_rows(sub_w, Pk, Mk, sub_prev, tol)  # [L*k, P/k] local ids
+    sub = plan_rows(sub_w, Pk, Mk, sub_prev, tol, None if heavy is None else np.repeat(heavy, k))  # [L*k, P/k] local ids
     glob = take(node_experts.reshape(L * k, -1), sub)  # [L*k, P/k]
     return glob.reshape(L, P)
 

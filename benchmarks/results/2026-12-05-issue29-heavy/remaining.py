@@ -1,0 +1,56 @@
+"""Issue 29: the GPU rows to run on the plans of the heavy-replica check (`.devplans/heavy`),
+packed into device calls as ../2026-12-05-issue29-h100/remaining.py packs them.
+
+Rows: those still to run before the check (../2026-12-05-issue29-h100/remaining.py), and
+every configuration whose default plans the check changed (forecast.md) that has an H100
+row on the older plans: it runs again on the new ones. Limits: as there, or 1.5 x the
+wall time of the H100 row + 30 s. Order: the forecast on the H100 fit with the largest
+group (forecast.md), else the ratio the older list gave. The configurations the check did
+not change have the same default plans in both folders: their H100 rows stand.
+
+    python benchmarks/results/2026-12-05-issue29-heavy/remaining.py > benchmarks/results/2026-12-05-issue29-heavy/remaining.md
+"""
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "2026-12-05-issue29-h100"))
+
+import remaining as before  # noqa: E402
+import summary  # noqa: E402
+
+
+def forecast() -> dict:
+    """(model, trace, ep, preset) -> the new plans' ratio on the fit with the largest group."""
+    out = {}
+    for line in (HERE / "forecast.md").read_text().splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) == 8 and cells[2].isdigit():
+            out[(cells[0], cells[1], int(cells[2]), cells[3])] = float(cells[7].split("->")[1])
+    return out
+
+
+def main() -> None:
+    fc = forecast()
+    rows = []
+    for model, spec, limit, ratio in before.rows():
+        ep, preset, trace = spec.split(":")[:3]
+        rows.append((model, spec, limit, fc.get((model, trace, int(ep), preset), ratio)))
+    listed = {(r[0], r[1].split(":")[2], int(r[1].split(":")[0]), r[1].split(":")[1]) for r in rows
+              if r[1].count(":") == 3}  # rows without options (the retimed row is another row)
+    walls = {}
+    for _, m in summary.measured():
+        if m["dd"] and not re.search(r"poisson|retime", m["name"]):
+            key = (m["model"], m["trace"], int(m["ep"]), m["preset"])
+            walls[key] = max(walls.get(key, 0), int(m["wall"]))
+    for key, ratio in sorted(fc.items()):
+        if key in walls and key not in listed:
+            model, trace, ep, preset = key
+            limit = round(1.5 * walls[key] + 30)
+            rows.append((model, f"{ep}:{preset}:{trace}:{limit}", limit, ratio))
+    before.print_calls(rows, plans=".devplans/heavy")
+
+
+if __name__ == "__main__":
+    main()
