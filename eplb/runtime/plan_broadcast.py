@@ -116,7 +116,8 @@ class Rank0Planner:
         """Rank 0's planning call (in the planner process when there is one);
         `move_tolerance` None: the config's. `step_choices` > 0 (token-expert choices per
         step and layer of `load`) turns on the config's decode-aware packing
-        (`read_tokens`, `dispatch_tokens`, `tile_rows`)."""
+        (`read_tokens`, `dispatch_tokens`, `tile_rows`) and the planner's heavy-replica
+        check (`balanced.moves.HEAVY_ROWS`, whatever `read_tokens`)."""
         fn = self.process.plan if self.process is not None else plan
         c = self.config
         tol = c.move_tolerance if move_tolerance is None else move_tolerance
@@ -124,7 +125,7 @@ class Rank0Planner:
         return fn(load, self.num_gpus, previous.num_slots, c.num_nodes, self.num_expert_groups,
                   c.policy, previous=previous, move_tolerance=tol,
                   weighted=c.weighted_replicas, read_tokens=reads,
-                  step_choices=float(step_choices) if reads > 0 else 0.0,
+                  step_choices=float(step_choices),
                   dispatch_tokens=c.dispatch_tokens, tile_rows=c.tile_rows)
 
     def warm_up(self, previous: Placement) -> None:

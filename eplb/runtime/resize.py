@@ -302,7 +302,7 @@ def _plan(rq: _Request, sz: ResizeSizes, new_cfg: EplbConfig | None) -> _Plans:
         reads = cfg.read_tokens if choices > 0 else 0.0  # as a rebalance (Rank0Planner.plan_here)
         planned = plan(source, M_new, sz.P_new, cfg.num_nodes, rq.model.num_expert_groups,
                        cfg.policy, move_tolerance=cfg.move_tolerance, weighted=cfg.weighted_replicas,
-                       read_tokens=reads, step_choices=choices if reads > 0 else 0.0,
+                       read_tokens=reads, step_choices=choices,
                        dispatch_tokens=cfg.dispatch_tokens, tile_rows=cfg.tile_rows)
         return rq.runtime.placement.physical_to_logical, planned.physical_to_logical, planned.shares
 
