@@ -58,9 +58,13 @@ TOLERANCE = {
     "ops-load": ANY_NUMBER + [r"\[\[(<#>, ?)*(<#>)?$"],
     "ops-record": ANY_NUMBER,
     "ops-trace": ANY_NUMBER,
-    # and whether the second request finds a gain above min_gain depends on the step it
-    # lands at: "success" or "skipped" (any other outcome, "failed", still differs)
-    "ops-trigger": ANY_NUMBER + [r'(?<="outcome": )"(success", "skipped": false|skipped", "skipped": true)'],
+    # and whether a request finds a gain above min_gain depends on the step it lands at:
+    # the CLI's "done ... moved" or "skipped ... nothing moved" line, and the second
+    # request's "success" or "skipped" (any other outcome, "failed", still differs)
+    "ops-trigger": ANY_NUMBER + [
+        r"^(done at step <#>: balancedness <#> -> <#> \(predicted\), <#> experts moved, <#> MB, <#> ms"
+        r"|skipped at step <#>: predicted gain \+<#> < min gain <#>; balancedness <#>, nothing moved)$",
+        r'(?<="outcome": )"(success", "skipped": false|skipped", "skipped": true)'],
     "ops-slots": [r" +[\d.]+$"],  # seeded replay: exact but for the last column (plan ms)
 }
 # (blocks whose every number is masked are compared with runs of spaces inside a line
