@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import random
 import re
 import shlex
 import socket
@@ -116,9 +117,20 @@ def chain(doc: Path, block_id: str) -> list[str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768-60999 by default). A block's job
+    opens gloo and HTTP connections whose local ports come from that range: one of them
+    took a port picked there (by binding port 0) before the job's server bound it, and the
+    block failed with "Address already in use" (CI, 2026-12-05)."""
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 20000-31999")
 
 
 def shim_env(workdir: Path) -> dict:
