@@ -64,6 +64,16 @@ class HeavyFit:
         return np.where(c.sum(-1) > 0, design(c, self.heavy) @ self.coef, 0.0)
 
 
+def scored(model: str, trace: str, M: int, preset: str, plans: Path, cost) -> dict:
+    """The rows (kind -> ScaleRow) of the shift-detection replay of one configuration's
+    plans in `plans` (`issue29.py --plans`), priced by `cost`, expected counts."""
+    shape = MODEL_PRESETS[model]
+    loads, blocks = issue29._plans(model, trace, M, 0.05, plans, preset)["shift"]
+    return scale_replay(loads, shape, M, shape.num_experts + M, issue29.TOKEN_PRESETS[preset], issue29.WINDOW,
+                        issue29.INTERVAL, cost, LinkModel(), planned=(loads, blocks),
+                        opts=issue29._opts(0.05, M, shape, preset)).rows
+
+
 BINS = (0, 2000, 4000, 6000, 8000, 10000, 14000)  # largest group, tokens: the lower edges
 
 
@@ -91,8 +101,7 @@ def main() -> None:
     ap.add_argument("--shared", type=Path, default=issue29.SHARED, help="the shared traces' npy folder")
     a = ap.parse_args()
     issue29.SHARED_DIR[0] = a.shared
-    shape = MODEL_PRESETS[a.model]
-    M, P, tokens = a.ep, shape.num_experts + a.ep, issue29.TOKEN_PRESETS[a.preset]
+    M = a.ep
     measured = [r for r in json.loads((a.run / "issue29.json").read_text())["rows"]
                 if (r["model"], r["trace"], r["ep"], r["preset"]) == (a.model, a.trace, M, a.preset)]
     counts, seconds = gemms(a.run, a.model, a.preset)
@@ -110,11 +119,7 @@ def main() -> None:
         for plans in a.plans:
             if not issue29._plan_file(plans, a.model, a.trace, M, 0.05, a.preset).exists():
                 sys.exit(f"{plans} holds no plans of {a.model} {a.trace} EP {M} {a.preset}")
-            variants = issue29._plans(a.model, a.trace, M, 0.05, plans, a.preset)
-            loads, blocks = variants["shift"]
-            res = scale_replay(loads, shape, M, P, tokens, issue29.WINDOW, issue29.INTERVAL, fit, LinkModel(),
-                               planned=(loads, blocks), opts=issue29._opts(0.05, M, shape, a.preset))
-            r = res.rows
+            r = scored(a.model, a.trace, M, a.preset, plans, fit)
             print(f"    {plans}: default/deepseek {r['default'].tokens_per_s / r['deepseek'].tokens_per_s:.4f}, "
                   f"default/oracle {r['default'].tokens_per_s / r['oracle'].tokens_per_s:.4f}")
 

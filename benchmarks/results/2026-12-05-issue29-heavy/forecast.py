@@ -26,10 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "benchmarks" / "diag"))
 
-import issue29  # noqa: E402
-from eplb.core.cost_model import MODEL_PRESETS, LinkModel  # noqa: E402
-from eplb.core.scale import scale_replay  # noqa: E402
-from issue29_heavy_fit import HeavyFit, gemms  # noqa: E402
+from issue29_heavy_fit import HeavyFit, gemms, scored  # noqa: E402
 
 OLD, NEW = ROOT / ".devplans" / "all", ROOT / ".devplans" / "heavy"
 FALLBACK = {"qwen3-235b": ("s6-r1", "ep8-prefill-steady-lognormal"), "deepseek-v3": ("c16", "ep8-prefill-steady-lognormal")}
@@ -65,11 +62,7 @@ def changed() -> list:
 
 
 def score(model, trace, M, preset, plans, fit) -> float:
-    shape = MODEL_PRESETS[model]
-    loads, blocks = issue29._plans(model, trace, M, 0.05, plans, preset)["shift"]
-    r = scale_replay(loads, shape, M, shape.num_experts + M, issue29.TOKEN_PRESETS[preset], issue29.WINDOW,
-                     issue29.INTERVAL, fit, LinkModel(), planned=(loads, blocks),
-                     opts=issue29._opts(0.05, M, shape, preset)).rows
+    r = scored(model, trace, M, preset, plans, fit)
     return r["default"].tokens_per_s / r["deepseek"].tokens_per_s
 
 
