@@ -9,7 +9,7 @@ import numpy as np
 from eplb.core.policy.balanced.budgets import PREV_ITERS, PREV_WORK, SMALL, iterations
 from eplb.core.policy.balanced.packing import repair_duplicates
 from eplb.core.policy.balanced.refinement import improve_max
-from eplb.core.policy.balanced.rows import argsort_rows, counts_of, gpu_sums, max_load, presence, slot_loads, take
+from eplb.core.policy.balanced.rows import argsort_rows, counts_of, gpu_sums, presence, slot_loads, take
 from eplb.core.policy.balanced.solve import solve
 
 # A row keeps its replica counts only while its heaviest replica carries at most
@@ -28,6 +28,13 @@ HEAVY_ROWS = 8192
 def heaviest(w: np.ndarray, p2l: np.ndarray) -> np.ndarray:
     """Tokens of the heaviest replica of each row [R] (even split): w [R, n], p2l [R, p]."""
     return slot_loads(w, p2l, counts_of(p2l, w.shape[1])).max(1)
+
+
+def load_and_heaviest(w: np.ndarray, p2l: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """(max GPU load [R], bit for bit `rows.max_load`, and the heaviest replica [R]) of
+    p2l [R, p] on m GPUs, from one pass over its slot loads."""
+    x = slot_loads(w, p2l, counts_of(p2l, w.shape[1]))  # [R, p]
+    return gpu_sums(x, m).max(1), x.max(1)
 
 
 def align(new: np.ndarray, old: np.ndarray, m: int, n: int, rounds: int = 4, with_source: bool = False):
@@ -260,10 +267,10 @@ def _move_rows(w, old, scratch, target, heavy_target, m, cap, iters):
     a, _ = improve_max(w, old, m, cap, target=target, budget=iters, fix=True)  # [R', p]
     b = transition(w, old, counts_of(scratch, n), m)
     b, _ = improve_max(w, b, m, cap, target=target, budget=iters, fix=True)
-    la, lb = max_load(w, a, m), max_load(w, b, m)  # [R']
+    (la, ha), (lb, hb) = load_and_heaviest(w, a, m), load_and_heaviest(w, b, m)  # [R'] each
     ma, mb = (a != old).sum(1), (b != old).sum(1)
-    va = (la <= target) & (heaviest(w, a) <= heavy_target)
-    vb = (lb <= target) & (heaviest(w, b) <= heavy_target)
+    va = (la <= target) & (ha <= heavy_target)
+    vb = (lb <= target) & (hb <= heavy_target)
     take_b = (vb & (~va | (mb < ma))) | (~va & ~vb & (lb < la))
     return np.where(take_b[:, None], b, a)
 
@@ -325,8 +332,7 @@ def plan_rows(w: np.ndarray, p: int, m: int, prev: Optional[np.ndarray], tol: fl
     if rn.size:
         local = local.copy()
         local[rn] = _move_rows(w_r[rn], local[rn], scratch_r[rn], target[rn], heavy_target[rn], m, cap, iters)
-        top[rn] = max_load(w_r[rn], local[rn], m)  # moves change counts
-        big[rn] = heaviest(w_r[rn], local[rn])
+        top[rn], big[rn] = load_and_heaviest(w_r[rn], local[rn], m)  # moves change counts
     reached = ok_counts & (top <= target) & (big <= heavy_target)  # (repaired rows hold no duplicates)
     miss = np.nonzero(~reached)[0]
     if every and not reached.any():  # every row takes the relabelled plan
