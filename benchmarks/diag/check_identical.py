@@ -1,12 +1,15 @@
 """Bit-for-bit check of two versions of the planner: same physical_to_logical and shares.
 
-    python check_identical.py BEFORE_ROOT AFTER_ROOT [--cases 200]
+    python check_identical.py BEFORE_ROOT AFTER_ROOT [--cases 200] [--reads]
 
 Each root holds an `eplb/` package. Cases: random loads (Zipf-like, uniform, with ties,
 zero layers) over many shapes, with and without `previous` (the version's own plan of a
 drifted load, or a random previous placement), tolerances 0 / default / 0.1, weighted or
 not; then every real trace of ../shared/traces/npy at EP 8, 16 and 32, hierarchical and global,
 with the previous window as `previous`. Prints the number of cases and of mismatches.
+With --reads every plan is decode-aware (`reads`: read_tokens, tokens per GPU 1-128,
+tile_rows 0 / 64 / 128, dispatch_tokens 1 / inf), and a previous placement may also be the
+start-up one (`Placement.initial`): the decode-aware pass and its catch-up.
 """
 import argparse
 import importlib
@@ -56,21 +59,31 @@ SHAPES = [  # L, N, P, M, nodes, groups
 ]
 
 
-def cases(n_random, seed=0):
+def reads(rng, M):
+    """Decode-aware options of one case (plan's keywords)."""
+    return dict(read_tokens=float(rng.choice([30.0, 100.0, 300.0])),
+                step_choices=float(M * rng.choice([1, 4, 16, 128]) * 8),
+                tile_rows=float(rng.choice([0.0, 64.0, 128.0])),
+                dispatch_tokens=float(rng.choice([1.0, np.inf])))
+
+
+def cases(n_random, seed=0, with_reads=False):
     rng = np.random.default_rng(seed)
     for i in range(n_random):
         L, N, P, M, k, G = SHAPES[i % len(SHAPES)]
         w = random_load(rng, L, N)
         drift = w * rng.uniform(0.6, 1.4, w.shape)
         tol = [0.0, 0.03, 0.1][rng.integers(3)]
-        weighted = bool(rng.integers(4) == 0)
-        prev_kind = ["none", "plan", "plan", "random"][rng.integers(4)]
+        weighted = bool(rng.integers(4) == 0) and not with_reads
+        kinds = ["none", "plan", "plan", "random"] + (["initial"] if with_reads else [])
+        prev_kind = kinds[rng.integers(len(kinds))]
+        kw = reads(rng, M) if with_reads else {}
         rand_prev = None
         if prev_kind == "random":  # a valid previous placement that need not respect groups
             rand_prev = np.concatenate([np.tile(np.arange(N), (L, 1)), rng.integers(0, N, (L, P - N))], 1)
             rand_prev = np.take_along_axis(rand_prev, np.argsort(rng.random((L, P)), 1), 1)
-        yield f"random {i} {SHAPES[i % len(SHAPES)]} prev={prev_kind} tol={tol} w={weighted}", \
-            (w, drift, M, P, k, G, prev_kind, rand_prev, tol, weighted)
+        yield f"random {i} {SHAPES[i % len(SHAPES)]} prev={prev_kind} tol={tol} w={weighted} {kw}", \
+            (w, drift, M, P, k, G, prev_kind, rand_prev, tol, weighted, kw)
     root = os.path.join(os.path.dirname(__file__), "../../../shared/traces/npy")
     for f in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         if not f.endswith(".npy"):
@@ -85,20 +98,25 @@ def cases(n_random, seed=0):
         for M, P, k, G, weighted in ((8, N + 8, 1, 1, False), (16, N + 16, 2, 8, False),
                                      (32, N, 4, 8, False), (32, N + 32, 4, 8, False),
                                      (32, N + 32, 1, 1, False), (32, N + 32, 4, 8, True)):
-            yield f"{f} M={M} P={P} nodes={k} G={G} w={weighted}", \
-                (a, b, M, P, k, G, "plan", None, 0.03, weighted)
+            if with_reads and weighted:
+                continue
+            kw = reads(rng, M) if with_reads else {}
+            yield f"{f} M={M} P={P} nodes={k} G={G} w={weighted} {kw}", \
+                (a, b, M, P, k, G, "plan", None, 0.03, weighted, kw)
 
 
 def run(version, case):
     plan, Placement = version
-    w, drift, M, P, k, G, prev_kind, rand_prev, tol, weighted = case
+    w, drift, M, P, k, G, prev_kind, rand_prev, tol, weighted, kw = case
     prev = None
     if prev_kind == "plan":
-        prev = plan(w, M, P, k, G)
+        prev = plan(w, M, P, k, G, **kw)
     elif prev_kind == "random":
         prev = Placement(rand_prev, w.shape[1], M, k)
-    out = [plan(drift, M, P, k, G, previous=prev, move_tolerance=tol, weighted=weighted)]
-    out.append(plan(drift, M, P, k, G, move_tolerance=tol, weighted=weighted))
+    elif prev_kind == "initial":
+        prev = Placement.initial(w.shape[0], w.shape[1], P, M, k)
+    out = [plan(drift, M, P, k, G, previous=prev, move_tolerance=tol, weighted=weighted, **kw)]
+    out.append(plan(drift, M, P, k, G, move_tolerance=tol, weighted=weighted, **kw))
     return out
 
 
@@ -108,6 +126,7 @@ def main():
     ap.add_argument("after")
     ap.add_argument("--cases", type=int, default=200)
     ap.add_argument("--cache", help="pickle of BEFORE's plans: written if missing, else read")
+    ap.add_argument("--reads", action="store_true", help="decode-aware plans (see the docstring)")
     args = ap.parse_args()
     results = {}
     for name, root in (("before", args.before), ("after", args.after)):
@@ -117,7 +136,7 @@ def main():
             continue
         version = load_version(root)
         results[name] = [(label, [(x.physical_to_logical, x.shares) for x in run(version, c)])
-                         for label, c in cases(args.cases)]
+                         for label, c in cases(args.cases, with_reads=args.reads)]
         if name == "before" and args.cache:
             with open(args.cache, "wb") as f:
                 pickle.dump(results[name], f)

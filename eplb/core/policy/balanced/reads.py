@@ -103,17 +103,19 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     look = np.flatnonzero(cold) if reference is None else np.arange(R)  # [R'] rows costed
     if not look.size:
         return p2l
-    # a slot's cost is that of one slot of its expert, so it is costed per slot here (p of
-    # them a row, not n), and per expert only for the rows searched below (`expert_cost`)
+    # a slot's cost is that of one slot of its expert: costed per expert of the layers
+    # looked at ([L', n], fewer entries than their rows' slots), then gathered per slot
+    lays = np.unique(layer[look])  # [L'] the layers of the rows looked at
+    cost_e = np.zeros((L, n))
+    cost_e[lays] = lam[lays] + read_tokens * expected_tiles(lam[lays], tile_rows)  # [L', n]
     sums = np.zeros((R, m))
-    sums[look] = gpu_sums(lam_s[look] + read_tokens * expected_tiles(lam_s[look], tile_rows), m)  # [R', m]
+    sums[look] = gpu_sums(cost_e[r[look], p2l[look]], m)  # [R', m]
     top = sums.max(1)  # [R]
     base_tok = gpu_sums(lam_s, m).max(1)  # [R] the busiest GPU's tokens
 
     def expert_cost(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """[R'] -> ([R', n], [R', n]): one slot's cost and tokens of each expert."""
-        lam_r = lam[layer[rows]]  # [R', n]
-        return lam_r + read_tokens * expected_tiles(lam_r, tile_rows), lam_r
+        """[R'] (rows looked at) -> ([R', n], [R', n]): one slot's cost and tokens of each expert."""
+        return cost_e[layer[rows]], lam[layer[rows]]
     # swaps keep a row's total cost, so no GPU ends below the mean: rows whose costliest GPU
     # is within min_gain of the mean cannot gain enough (most rows when a plan is in force)
     can = cold & (top * (1.0 - min_gain) > sums.mean(1) * (1.0 + REL_EPS))
@@ -142,8 +144,11 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
         target = ref_cost[rows]  # [R']
         cands = [p2l[rows]]
         if rows_per_layer == 1:  # the row holds every expert: DeepSeek's counts are the row's
-            wr = w[rows]
-            moved = transition(wr, p2l[rows], replica_counts(wr, p, m), m)
+            wr, moved = w[rows], p2l[rows].copy()
+            c_ds = replica_counts(wr, p, m)  # [R', n]
+            ch = np.flatnonzero((counts_of(moved, n) != c_ds).any(1))  # rows whose counts change
+            if ch.size:  # (`transition` keeps a row at its counts as it is)
+                moved[ch] = transition(wr[ch], moved[ch], c_ds[ch], m)
             # the copies land where the surplus replicas were: re-balance the tokens first
             # (max-GPU moves to the token cap, in load units)
             moved, _ = improve_max(wr, moved, m, m, budget=READ_ITERS, target=cap * total[rows] / step_choices,
@@ -154,17 +159,23 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
         best, best_after, best_moves = p2l[rows], top[rows], np.zeros(rows.size, dtype=np.int64)
         lr = layer[rows]  # [R'] (the rows are whole layers here)
         for i, start in enumerate(cands):  # the first keeps its counts: its costs are known
-            cs, ls = expert_cost(rows) if i == 0 else per_slot(lam_e[lr], counts_of(start, n), read_tokens,
+            # a later candidate's row equal to the first's ends where the first's did, which
+            # never beats it: only the rows where it differs are searched
+            j = np.arange(rows.size) if i == 0 else np.flatnonzero((start != cands[0]).any(1))  # [J]
+            if not j.size:
+                continue
+            start = start[j]
+            cs, ls = expert_cost(rows) if i == 0 else per_slot(lam_e[lr[j]], counts_of(start, n), read_tokens,
                                                                tile_rows)
-            new = swap_down(cs, ls, start, m, n, READ_ITERS, price, target, cap)
-            after = objective(cs, ls, new, m, price, cap)
-            moves = (new != p2l[rows]).sum(1)
+            new = swap_down(cs, ls, start, m, n, READ_ITERS, price, target[j], cap[j])
+            after = objective(cs, ls, new, m, price, cap[j])
+            moves = (new != p2l[rows[j]]).sum(1)
             # the first to reach the target with fewer moves; while none does, the lower cost
-            done, was = after <= target * (1.0 + REL_EPS), best_after <= target * (1.0 + REL_EPS)
-            better = np.where(done & was, moves < best_moves, (done & ~was) | (~was & (after < best_after)))
-            best = np.where(better[:, None], new, best)
-            best_after = np.where(better, after, best_after)
-            best_moves = np.where(better, moves, best_moves)
+            done, was = after <= target[j] * (1.0 + REL_EPS), best_after[j] <= target[j] * (1.0 + REL_EPS)
+            better = np.where(done & was, moves < best_moves[j], (done & ~was) | (~was & (after < best_after[j])))
+            best[j] = np.where(better[:, None], new, best[j])
+            best_after[j] = np.where(better, after, best_after[j])
+            best_moves[j] = np.where(better, moves, best_moves[j])
         keep = best_after < top[rows] * (1.0 - REL_EPS)
         out[rows[keep]] = best[keep]
     return out
@@ -285,12 +296,15 @@ def swap_down(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int, n: 
     e3 = p2l.reshape(R, m, s)  # [R, m, s] a view: swaps below update p2l
     act = r  # rows still gaining
     # the [A, m, s_h, s_g] work arrays, allocated once (allocating them each iteration took
-    # most of the time); an excluded swap scores EXCLUDED or more instead of inf, so the
-    # exclusions are sums, not masks (masked writes are slow)
+    # most of the time); an excluded swap scores about EXCLUDED or more instead of inf, so
+    # the exclusions are sums, not masks (masked writes are slow). The arithmetic on them
+    # runs in torch: its loops vectorise the broadcast operands, numpy's do not (2-4x
+    # slower); the IEEE operations are numpy's of before (benchmarks/diag/check_identical.py
+    # --reads: the same plans). The argmin runs in numpy, on a view of the same memory
+    # (torch's is slower)
     shape4 = (R, m, s, s)
-    score_buf, d_buf, top_buf = np.empty(shape4), np.empty(shape4), np.empty(shape4)
+    score_buf, d_buf, top_buf = (torch.empty(shape4, dtype=torch.float64) for _ in range(3))
     price = EXCLUDED if np.isinf(dispatch_tokens) else dispatch_tokens  # per token over the cap
-    col = (slice(None), None, None, None)  # [A] -> [A, 1, 1, 1]
     for _ in range(iters):
         if act.size == 0:
             break
@@ -300,26 +314,31 @@ def swap_down(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int, n: 
         h = LD.argmax(1)  # [A] costliest GPU
         xh, th, eh = X[ra, h], T[ra, h], E[ra, h]  # [A, s]
         score, d, top = score_buf[:A], d_buf[:A], top_buf[:A]  # [A, m, s_h, s_g]
-        np.subtract(xh[:, None, :, None], X[:, :, None, :], out=d)  # the cost h sheds
-        np.subtract(LD[ra, h][col], d, out=score)  # h's cost after the swap
-        np.add(LD[:, :, None, None], d, out=top)  # g's cost after the swap
-        np.maximum(score, top, out=score)
-        # a swap must make h cheaper by eps: one that does not scores at least h's cost less
-        # eps, so it never passes `gain` below and never beats one that does
-        np.subtract(th[:, None, :, None], T[:, :, None, :], out=d)  # the tokens h sheds
-        np.subtract(TK[ra, h][col], d, out=top)
-        np.add(TK[:, :, None, None], d, out=d)
-        np.maximum(top, d, out=top)  # the pair's larger GPU tokens after the swap
-        np.subtract(top, cap[act][col], out=top)  # above the row's cap: priced (or excluded)
-        np.maximum(top, 0.0, out=top)
-        top *= price
-        score += top
+        # the exclusions ride on the costs: g's slot v holding an expert that h holds makes
+        # v's cost EXCLUDED more (h's cost after the swap goes above EXCLUDED), h's slot u
+        # holding an expert that g holds (or g being h) makes g's cost EXCLUDED more; a swap
+        # excluded by neither has exactly the costs it would have without them
         a3 = act[:, None, None]
+        X_ex = X + on[a3, h[:, None, None], E] * EXCLUDED  # [A, m, s_g] g's expert on h
         no_g = on[a3, np.arange(m)[None, :, None], eh[:, None, :]] * EXCLUDED  # [A, m, s_h] h's expert on g
         no_g[ra, h] = EXCLUDED  # not with itself
-        score += no_g[..., None]
-        score += (on[a3, h[:, None, None], E] * EXCLUDED)[:, :, None, :]  # g's expert on h
-        score = score.reshape(A, -1)  # [A, m * s * s]
+        LD_ex = LD[:, :, None] + no_g  # [A, m, s_h]
+        T_ = torch.from_numpy(T)  # from_numpy: views, no copies
+        torch.sub(torch.from_numpy(xh)[:, None, :, None], torch.from_numpy(X_ex)[:, :, None, :], out=d)  # the cost h sheds
+        torch.sub(torch.from_numpy(LD[ra, h])[:, None, None, None], d, out=score)  # h's cost after the swap
+        torch.add(torch.from_numpy(LD_ex)[..., None], d, out=top)  # g's cost after the swap
+        torch.maximum(score, top, out=score)
+        # a swap must make h cheaper by eps: one that does not scores at least h's cost less
+        # eps, so it never passes `gain` below and never beats one that does
+        torch.sub(torch.from_numpy(th)[:, None, :, None], T_[:, :, None, :], out=d)  # the tokens h sheds
+        torch.sub(torch.from_numpy(TK[ra, h])[:, None, None, None], d, out=top)
+        torch.add(torch.from_numpy(TK)[:, :, None, None], d, out=d)
+        torch.maximum(top, d, out=top)  # the pair's larger GPU tokens after the swap
+        top.sub_(torch.from_numpy(cap[act])[:, None, None, None])  # above the row's cap: priced (or excluded)
+        top.clamp_(min=0.0)
+        top.mul_(price)
+        score.add_(top)
+        score = score.numpy().reshape(A, -1)  # [A, m * s * s]
         best = score.argmin(1)  # [A] first of the ties: deterministic
         gain = score[ra, best] < LD[ra, h] - eps[act]
         act = act[gain]  # a row without a gain now never has one: nothing else changes it
