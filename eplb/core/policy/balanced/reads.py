@@ -105,7 +105,9 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
         return p2l
     # a slot's cost is that of one slot of its expert: costed per expert of the layers
     # looked at ([L', n], fewer entries than their rows' slots), then gathered per slot
-    lays = np.unique(layer[look])  # [L'] the layers of the rows looked at
+    seen = np.zeros(L, dtype=bool)
+    seen[layer[look]] = True
+    lays = np.flatnonzero(seen)  # [L'] the layers of the rows looked at (np.unique: 0.3 ms)
     cost_e = np.zeros((L, n))
     cost_e[lays] = lam[lays] + read_tokens * expected_tiles(lam[lays], tile_rows)  # [L', n]
     sums = np.zeros((R, m))
