@@ -15,24 +15,35 @@ ROOT = Path(__file__).resolve().parents[3]
 CHOICES = 4096 * 8  # token-expert choices per GPU and step (TOKEN_PRESETS["prefill"] x top_k)
 
 
+def plans(folder: str, M: int):
+    """The Qwen3-235B steady prefill plans of EP M in `.devplans/<folder>` (npz)."""
+    return np.load(ROOT / ".devplans" / folder / f"qwen3-235b-steady-lognormal-M{M}-prefill-shift0.05-ci10-r100-d40-s2-t1.npz")
+
+
+def slot_tokens(z, kind: str, M: int):
+    """Yield the tokens per step of every slot [M, S] of `kind`'s plans, for every scored
+    step and layer."""
+    loads = z["shift/loads"]  # [T, L, N]
+    span, p2l, shares = z[f"shift/{kind}/span"], z[f"shift/{kind}/p2l"], z[f"shift/{kind}/shares"]
+    for b, (s, e) in enumerate(span):
+        for t in range(s, e):
+            for layer in range(loads.shape[1]):
+                tokens = loads[t, layer] / loads[t, layer].sum() * CHOICES * M  # [N] per step
+                yield (tokens[p2l[b, layer]] * shares[b, layer]).reshape(M, -1)  # [M, S]
+
+
 def main() -> None:
     for M in (8, 16):
         for folder in ("all", "heavy"):
-            z = np.load(ROOT / ".devplans" / folder / f"qwen3-235b-steady-lognormal-M{M}-prefill-shift0.05-ci10-r100-d40-s2-t1.npz")
-            loads = z["shift/loads"]  # [T, L, N]
+            z = plans(folder, M)
             for kind in ("deepseek", "default"):
-                span, p2l, shares = z[f"shift/{kind}/span"], z[f"shift/{kind}/p2l"], z[f"shift/{kind}/shares"]
+                p2l = z[f"shift/{kind}/p2l"]
                 acc = []
-                for b, (s, e) in enumerate(span):
-                    for t in range(s, e):
-                        for layer in range(loads.shape[1]):
-                            tokens = loads[t, layer] / loads[t, layer].sum() * CHOICES * M  # [N] per step
-                            slot = tokens[p2l[b, layer]] * shares[b, layer]  # [P]
-                            gpu = slot.reshape(M, -1)  # [M, S]
-                            busiest = gpu.sum(1).argmax()
-                            acc.append((gpu.sum(1).max() / gpu.sum(1).mean(), slot.max(), gpu[busiest].max()))
+                for gpu in slot_tokens(z, kind, M):
+                    busiest = gpu.sum(1).argmax()
+                    acc.append((gpu.sum(1).max() / gpu.sum(1).mean(), gpu.max(), gpu[busiest].max()))
                 a = np.mean(acc, axis=0)
-                counts = np.sort(np.bincount(p2l[-1, 0], minlength=loads.shape[2]))[::-1]
+                counts = np.sort(np.bincount(p2l[-1, 0], minlength=z["shift/loads"].shape[2]))[::-1]
                 print(f"EP {M:2d} {folder:5s} {kind:8s} busiest/mean {a[0]:.4f}  largest replica {a[1]:6.0f}  "
                       f"on the busiest GPU {a[2]:6.0f}  replica counts {' '.join(map(str, counts[counts > 1]))}")
 

@@ -6,28 +6,25 @@ within 1%, 3% and 5% of the busiest. Run from the repository root:
 
     python benchmarks/results/2026-12-05-issue29-heavy/near.py > benchmarks/results/2026-12-05-issue29-heavy/near.txt
 """
+import sys
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[3]
-CHOICES = 4096 * 8  # token-expert choices per GPU and step
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from largest import plans, slot_tokens  # noqa: E402
 
 
 def main() -> None:
     for M in (8, 16, 32):
-        z = np.load(ROOT / ".devplans" / "heavy" / f"qwen3-235b-steady-lognormal-M{M}-prefill-shift0.05-ci10-r100-d40-s2-t1.npz")
-        loads = z["shift/loads"]  # [T, L, N]
+        z = plans("heavy", M)
         for kind in ("deepseek", "default", "oracle"):
-            span, p2l, shares = z[f"shift/{kind}/span"], z[f"shift/{kind}/p2l"], z[f"shift/{kind}/shares"]
             acc = []
-            for b, (s, e) in enumerate(span):
-                for t in range(s, e):
-                    for layer in range(loads.shape[1]):
-                        tokens = loads[t, layer] / loads[t, layer].sum() * CHOICES * M  # [N] per step
-                        gpu = (tokens[p2l[b, layer]] * shares[b, layer]).reshape(M, -1).sum(1)  # [M]
-                        top = gpu.max()
-                        acc.append((top / gpu.mean(), *((gpu >= f * top).sum() for f in (0.99, 0.97, 0.95))))
+            for gpu in slot_tokens(z, kind, M):
+                g = gpu.sum(1)  # [M]
+                top = g.max()
+                acc.append((top / g.mean(), *((g >= f * top).sum() for f in (0.99, 0.97, 0.95))))
             a = np.mean(acc, axis=0)
             print(f"EP {M:2d} {kind:8s} busiest/mean {a[0]:.4f}  GPUs within 1% {a[1]:.2f}, 3% {a[2]:.2f}, "
                   f"5% {a[3]:.2f}")
