@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-import random
 import re
 import shlex
-import socket
 import stat
 import subprocess
 import sys
@@ -35,6 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eplb.ops.launch import free_port  # noqa: E402 - below the ephemeral port range
+
 DOCS = [ROOT / "README.md", ROOT / "docs" / "operations.md"]
 
 MARK = re.compile(r"^<!-- regen: ([\w-]+)( session)? -->\n```(\w*)\n(.*?)^```\n", re.S | re.M)
@@ -114,23 +116,6 @@ def chain(doc: Path, block_id: str) -> list[str]:
             return ids
         assert len(nxt) == 1, f"{doc.name}: blocks {nxt} all continue {ids[-1]}"
         ids.append(nxt[0])
-
-
-def free_port() -> int:
-    """A free port below Linux's ephemeral range (32768-60999 by default). A block's job
-    opens gloo and HTTP connections whose local ports come from that range: one of them
-    took a port picked there (by binding port 0) before the job's server bound it, and the
-    block failed with "Address already in use" (CI, 2026-12-05)."""
-    rng = random.Random()
-    for _ in range(500):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port in 20000-31999")
 
 
 def shim_env(workdir: Path) -> dict:

@@ -6,12 +6,13 @@ with one CUDA device per rank (used on the GPU machine).
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from eplb.ops.launch import free_port  # noqa: F401 - the tests' free port, below the ephemeral range
 
 BACKEND = os.environ.get("EPLB_TEST_BACKEND", "gloo")
 # Ranks start from a fork server that has imported torch, numpy and the packages once
@@ -23,10 +24,6 @@ if START_METHOD == "forkserver":
         "torch", "torch.distributed", "numpy", "eplb", "moe", "_dist", "_hf_preload"])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def device_for(rank: int) -> torch.device:

@@ -9,6 +9,7 @@ launcher exits 143, as on Ctrl-C (130).
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,10 +17,41 @@ import sys
 import threading
 import time
 
+PORT_SPAN = 12000  # free_port picks among this many ports below the ephemeral range
 
-def free_port() -> int:
+
+def ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int | None:
+    """The first port of Linux's ephemeral range (32768 by default), or None elsewhere."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port on `host` that nothing listens on now, for a server this process starts next
+    (a rendezvous store, a metrics endpoint).
+
+    Picked at random below the ephemeral range, where the system never places the local
+    end of an outgoing connection. A port picked by binding port 0 comes from that range,
+    and a connection opened in between could take it before the server bound it: a job
+    failed so with "Address already in use" (CI, 2026-12-05). Without such a range (not
+    Linux, or one starting below 2048) port 0 it is."""
+    low = ephemeral_low()
+    if low is not None and low >= 2048:
+        rng = random.Random()
+        start = max(1024, low - PORT_SPAN)
+        for _ in range(500):
+            port = rng.randrange(start, low)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            return port
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
