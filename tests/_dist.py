@@ -24,8 +24,6 @@ if START_METHOD == "forkserver":
         "torch", "torch.distributed", "numpy", "eplb", "moe", "_dist", "_hf_preload"])
 
 
-
-
 def device_for(rank: int) -> torch.device:
     """The device a test rank computes on: cuda:rank under NCCL, else CPU."""
     return torch.device("cuda", rank) if BACKEND == "nccl" else torch.device("cpu")

@@ -37,7 +37,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     end of an outgoing connection. A port picked by binding port 0 comes from that range,
     and a connection opened in between could take it before the server bound it: a job
     failed so with "Address already in use" (CI, 2026-12-05). Without such a range (not
-    Linux, or one starting below 2048) port 0 it is."""
+    Linux, or one starting below 2048), or when no port there is free, the system picks
+    one (port 0)."""
     low = ephemeral_low()
     if low is not None and low >= 2048:
         rng = random.Random()

@@ -325,14 +325,14 @@ def swap_down(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int, n: 
         no_g = on[a3, np.arange(m)[None, :, None], eh[:, None, :]] * EXCLUDED  # [A, m, s_h] h's expert on g
         no_g[ra, h] = EXCLUDED  # not with itself
         LD_ex = LD[:, :, None] + no_g  # [A, m, s_h]
-        T_ = torch.from_numpy(T)  # from_numpy: views, no copies
+        # torch.from_numpy: views, no copies
         torch.sub(torch.from_numpy(xh)[:, None, :, None], torch.from_numpy(X_ex)[:, :, None, :], out=d)  # the cost h sheds
         torch.sub(torch.from_numpy(LD[ra, h])[:, None, None, None], d, out=score)  # h's cost after the swap
         torch.add(torch.from_numpy(LD_ex)[..., None], d, out=top)  # g's cost after the swap
         torch.maximum(score, top, out=score)
         # a swap must make h cheaper by eps: one that does not scores at least h's cost less
         # eps, so it never passes `gain` below and never beats one that does
-        torch.sub(torch.from_numpy(th)[:, None, :, None], T_[:, :, None, :], out=d)  # the tokens h sheds
+        torch.sub(torch.from_numpy(th)[:, None, :, None], torch.from_numpy(T)[:, :, None, :], out=d)  # the tokens h sheds
         torch.sub(torch.from_numpy(TK[ra, h])[:, None, None, None], d, out=top)
         torch.add(torch.from_numpy(TK)[:, :, None, None], d, out=d)
         torch.maximum(top, d, out=top)  # the pair's larger GPU tokens after the swap
