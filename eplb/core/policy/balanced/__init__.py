@@ -51,8 +51,9 @@ import numpy as np
 from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
 from eplb.core.policy.deepseek import deepseek_policy
 from eplb.core.policy.balanced.moves import HEAVY_ROWS, plan_rows
-from eplb.core.policy.balanced.reads import fresh_reference, layer_cost, spread_reads
+from eplb.core.policy.balanced.reads import layer_cost, spread_reads
 from eplb.core.policy.balanced.shares import plan_shares, replica_shares
+from eplb.core.policy.balanced.solve import fresh_packing
 from eplb.core.policy.balanced.topology import plan_hierarchical
 
 
@@ -138,19 +139,23 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
     # the load of HEAVY_ROWS tokens per step in each layer [L], when the tokens per step are known
     choices = 0.0 if options is None else float(options.step_choices)
     heavy = HEAVY_ROWS * w.sum(1) / choices if choices > 0 else None
+    reads = 0.0 if options is None else float(options.read_tokens)
+    tiles = 0.0 if options is None else float(options.tile_rows)
+    fresh = None
     if hierarchical:
         p2l = plan_hierarchical(w, P, M, k, int(num_groups), prev, tol, heavy)
     else:
-        p2l = plan_rows(w, P, M, prev, tol, heavy)
+        # decode-aware with tiles: no layer may cost more than a fresh packing of DeepSeek's
+        # counts, the first step of the from-scratch plan (made once, for both)
+        fresh = fresh_packing(w, P, M) if reads > 0 and tiles > 0 and not weighted else None
+        p2l = plan_rows(w, P, M, prev, tol, heavy, fresh)
     if not weighted:
-        reads = 0.0 if options is None else float(options.read_tokens)
         if reads > 0:  # decode-aware: spread the weight reads of cold slots (`reads`)
             rows = k if hierarchical else 1
-            choices, tiles = float(options.step_choices), float(options.tile_rows)
-            reference = ref_p2l = None  # no layer may cost more than a fresh packing of DeepSeek's counts
-            if not hierarchical and tiles > 0:
-                ref_p2l = fresh_reference(w, P, M)  # [L, P]
-                reference = layer_cost(w, ref_p2l, M, choices, reads, tiles)  # [L] x 2
+            reference = ref_p2l = None
+            if fresh is not None:
+                c_ds, ref_p2l, _ = fresh  # [L, N], [L, P]
+                reference = layer_cost(w, ref_p2l, M, choices, reads, tiles, c_ds)
                 if prev is not None and not previous.is_initial:
                     ref_p2l = None  # a layout worth keeping: the catch-up moves it, never replaces it
             p2l = spread_reads(w, p2l.reshape(L * rows, P // rows), M // rows, choices, reads, rows,

@@ -276,7 +276,7 @@ def _move_rows(w, old, scratch, target, heavy_target, m, cap, iters):
 
 
 def plan_rows(w: np.ndarray, p: int, m: int, prev: Optional[np.ndarray], tol: float,
-              heavy: Optional[np.ndarray] = None) -> np.ndarray:
+              heavy: Optional[np.ndarray] = None, fresh: Optional[tuple] = None) -> np.ndarray:
     """Placement of rows w [R, n]: from scratch, or from `prev` [R, p] (rows of -1 = no
     previous) with at most (1 + tol) times the from-scratch max GPU load, and (on small
     problems) at most the max GPU load of DeepSeek's own plan of the row; with `heavy`
@@ -284,16 +284,18 @@ def plan_rows(w: np.ndarray, p: int, m: int, prev: Optional[np.ndarray], tol: fl
     heaviest replica at most that or (1 + HEAVY_TOLERANCE) times the from-scratch plan's.
     A row within these targets keeps its previous placement; one above them moves as
     little as it can to reach them (`_move_rows`), else takes the from-scratch plan
-    relabelled towards `prev`."""
+    relabelled towards `prev`. `fresh`: `solve.fresh_packing(w, p, m)`, when the caller
+    made it."""
     R, n = w.shape
     cap = m
     has_prev = np.zeros(R, dtype=bool) if prev is None else (prev >= 0).all(1)
     if not has_prev.any():
-        return solve(w, p, m)
+        return solve(w, p, m, fresh=fresh)
     # the from-scratch plan is the reference (and the fallback); on large problems (more
     # than 8192 slots in all) it gets half the budget so that the moves from the previous
     # placement fit in the rest
-    scratch, ref, smax = solve(w, p, m, share=1.0 if R * p <= SMALL else 0.5, with_reference=True)
+    scratch, ref, smax = solve(w, p, m, share=1.0 if R * p <= SMALL else 0.5, with_reference=True,
+                              fresh=fresh)
     r = np.nonzero(has_prev)[0]
     every = r.size == R  # the usual case: no row copies
     old = prev if every else prev[r]

@@ -33,15 +33,16 @@ issue 29 ("Target 3 ... on by default", 2026-12-04 and 2026-12-05 (fourth)).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
 from eplb.core.policy.base import DEFAULT_TILE_ROWS
 from eplb.core.policy.balanced.moves import align, transition
-from eplb.core.policy.balanced.packing import pack, repair_duplicates
 from eplb.core.policy.balanced.refinement import improve_max
-from eplb.core.policy.balanced.replicas import replica_counts
-from eplb.core.policy.balanced.rows import REL_EPS, counts_of, gpu_sums, presence
+from eplb.core.policy.balanced.rows import REL_EPS, counts_of, gpu_sums, max_load, presence
+from eplb.core.policy.balanced.solve import fresh_packing
 
 WARM_TOKENS = 8.0  # a slot expecting this many tokens per step is empty with p < 0.04%
 # a row costlier than the fresh reference catches up with it pricing a token more on its
@@ -53,10 +54,20 @@ SWAP_MIN_GAIN = 1e-4  # a swap must lower the costliest GPU by this fraction of 
 EXCLUDED = 1e300  # swap_down: what an excluded swap adds to its score (a few still sum below inf)
 
 
+class Reference(NamedTuple):
+    """A placement's cost per layer as the pass counts it (`layer_cost`): for the fresh
+    plan, what a kept layout is held against (`spread_reads`)."""
+    cost: np.ndarray  # [L] the largest GPU cost
+    tokens: np.ndarray  # [L] the busiest GPU's tokens per step
+    counts: np.ndarray  # [L, n] replica counts
+    slot_cost: np.ndarray  # [L, n] one slot's cost of each expert at these counts (`per_slot`)
+    slot_tokens: np.ndarray  # [L, n] ... and its tokens per step
+
+
 def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, read_tokens: float,
                  rows_per_layer: int = 1, min_gain: float = 0.0,
                  dispatch_tokens: float = np.inf, tile_rows: float = DEFAULT_TILE_ROWS,
-                 reference: tuple[np.ndarray, np.ndarray] | None = None,
+                 reference: Reference | None = None,
                  reference_p2l: np.ndarray | None = None) -> np.ndarray:
     """The decode-aware pass over a plan.
 
@@ -67,8 +78,9 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     (0: one read per non-empty slot). Rows are improved by swaps when that lowers their
     largest GPU cost by more than `min_gain` (relative).
 
-    reference (cost [L], tokens [L]): the largest GPU cost and the busiest GPU's tokens of
-    a fresh plan of each layer (`fresh_reference`, `layer_cost`). A row costlier than its
+    reference: the cost of a fresh plan of each layer (`fresh_reference`, `layer_cost`):
+    its largest GPU cost and busiest GPU's tokens [L], and the replica counts and per-slot
+    figures [L, n] the candidates below reuse. A row costlier than its
     layer's reference cost is brought down to it whatever `min_gain` says, by whichever of
     two candidates gets there with fewer moves: swaps alone, or (one row per layer) first
     the move to DeepSeek's replica counts with one copy per changed count
@@ -92,7 +104,8 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     # replica counts are those of the row holding the expert, and a row only ever reads its
     # own experts' entries below ([L, n] arrays, not [R, n]: 4x smaller at 4 nodes)
     lam_e = expert_tokens(w, step_choices)  # [L, n] tokens per step of each expert
-    lam = lam_e / np.maximum(counts_of(p2l.reshape(L, -1), n), 1)  # [L, n] ... on one slot of it
+    c = counts_of(p2l.reshape(L, -1), n)  # [L, n] replica counts
+    lam = lam_e / np.maximum(c, 1)  # [L, n] ... on one slot of it
     r = layer[:, None]  # [R, 1] a row's entries of the [L, n] arrays
     # rows whose every slot reads anyway (each expects WARM_TOKENS or more) are left to the
     # token balance, tiles or not: their reads differ from GPU to GPU by the rounding of
@@ -109,7 +122,7 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     seen[layer[look]] = True
     lays = np.flatnonzero(seen)  # [L'] the layers of the rows looked at (np.unique: 0.3 ms)
     cost_e = np.zeros((L, n))
-    cost_e[lays] = lam[lays] + read_tokens * expected_tiles(lam[lays], tile_rows)  # [L', n]
+    cost_e[lays] = slot_figures(lam_e[lays], c[lays], reference, lays, read_tokens, tile_rows)[0]  # [L', n]
     sums = np.zeros((R, m))
     sums[look] = gpu_sums(cost_e[r[look], p2l[look]], m)  # [R', m]
     top = sums.max(1)  # [R]
@@ -124,7 +137,7 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     out = p2l.copy()
     over = np.zeros(R, dtype=bool)
     if reference is not None:
-        ref_cost, ref_tok = reference[0][layer], reference[1][layer]  # [R]
+        ref_cost, ref_tok = reference.cost[layer], reference.tokens[layer]  # [R]
         over = top > ref_cost * (1.0 + REL_EPS)  # costlier than the fresh reference
     # two kinds of rows, each with its own rule for keeping the result:
     # 1. within the reference (or without one): swaps alone, kept when they gain min_gain;
@@ -147,14 +160,17 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
         cands = [p2l[rows]]
         if rows_per_layer == 1:  # the row holds every expert: DeepSeek's counts are the row's
             wr, moved = w[rows], p2l[rows].copy()
-            c_ds = replica_counts(wr, p, m)  # [R', n]
+            c_ds = reference.counts[rows]  # [R', n] (DeepSeek's: `fresh_reference`)
             ch = np.flatnonzero((counts_of(moved, n) != c_ds).any(1))  # rows whose counts change
             if ch.size:  # (`transition` keeps a row at its counts as it is)
                 moved[ch] = transition(wr[ch], moved[ch], c_ds[ch], m)
             # the copies land where the surplus replicas were: re-balance the tokens first
-            # (max-GPU moves to the token cap, in load units)
-            moved, _ = improve_max(wr, moved, m, m, budget=READ_ITERS, target=cap * total[rows] / step_choices,
-                                   fix=True)
+            # (max-GPU moves to the token cap, in load units); skipped when no row is above
+            # the cap, where it moves nothing (it is called on all rows or none: the rows it
+            # gets set how widely it searches)
+            cap_load = cap * total[rows] / step_choices  # [R']
+            if ch.size or (max_load(wr, moved, m) > cap_load).any():
+                moved, _ = improve_max(wr, moved, m, m, budget=READ_ITERS, target=cap_load, fix=True)
             cands.append(moved)
             if reference_p2l is not None:
                 cands.append(align(reference_p2l[rows], p2l[rows], m, n))
@@ -167,8 +183,8 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
             if not j.size:
                 continue
             start = start[j]
-            cs, ls = expert_cost(rows) if i == 0 else per_slot(lam_e[lr[j]], counts_of(start, n), read_tokens,
-                                                               tile_rows)
+            cs, ls = expert_cost(rows) if i == 0 else slot_figures(lam_e[lr[j]], counts_of(start, n), reference,
+                                                                   lr[j], read_tokens, tile_rows)
             new = swap_down(cs, ls, start, m, n, READ_ITERS, price, target[j], cap[j])
             after = objective(cs, ls, new, m, price, cap[j])
             moves = (new != p2l[rows[j]]).sum(1)
@@ -185,21 +201,23 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
 
 def fresh_reference(w: np.ndarray, p: int, m: int) -> np.ndarray:
     """p2l [L, p]: DeepSeek's replica counts (`replica_counts`) packed afresh for tokens
-    (`pack`, duplicates repaired), the fresh plan a kept layout's cost is held against. It
-    stands for DeepSeek's own plan (the same counts, a token-balancing packing) at the
-    cost of a packing: DeepSeek's code takes 20-110 ms at the DeepSeek-V3 shape."""
-    return repair_duplicates(w, pack(w, replica_counts(w, p, m), m), m)
+    (`pack`, duplicates repaired: `solve.fresh_packing`, the first step of a from-scratch
+    plan), the fresh plan a kept layout's cost is held against. It stands for DeepSeek's
+    own plan (the same counts, a token-balancing packing) at the cost of a packing:
+    DeepSeek's code takes 20-110 ms at the DeepSeek-V3 shape."""
+    return fresh_packing(w, p, m)[1]
 
 
 def layer_cost(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, read_tokens: float,
-               tile_rows: float = DEFAULT_TILE_ROWS) -> tuple[np.ndarray, np.ndarray]:
-    """(cost [L], tokens [L]): the largest GPU cost (tokens plus weight reads, as the pass
-    counts them) and the busiest GPU's tokens per step of each layer's placement p2l [L, P]
-    on m GPUs, for loads w [L, n]."""
-    cost, lam = per_slot(expert_tokens(w, step_choices), counts_of(p2l, w.shape[1]), read_tokens,
-                         tile_rows)  # [L, n]
+               tile_rows: float = DEFAULT_TILE_ROWS, counts: np.ndarray | None = None) -> Reference:
+    """The largest GPU cost (tokens plus weight reads, as the pass counts them) and the
+    busiest GPU's tokens per step [L] of each layer's placement p2l [L, P] on m GPUs, for
+    loads w [L, n], with what they came from (`Reference`). counts [L, n]: p2l's replica
+    counts, when known."""
+    c = counts_of(p2l, w.shape[1]) if counts is None else counts  # [L, n]
+    cost, lam = per_slot(expert_tokens(w, step_choices), c, read_tokens, tile_rows)  # [L, n]
     r = np.arange(len(p2l))[:, None]
-    return gpu_sums(cost[r, p2l], m).max(1), gpu_sums(lam[r, p2l], m).max(1)
+    return Reference(gpu_sums(cost[r, p2l], m).max(1), gpu_sums(lam[r, p2l], m).max(1), c, cost, lam)
 
 
 def expert_tokens(w: np.ndarray, step_choices: float) -> np.ndarray:
@@ -251,6 +269,20 @@ def per_slot(lam_e: np.ndarray, c: np.ndarray, read_tokens: float, tile_rows: fl
     return lam + read_tokens * expected_tiles(lam, tile_rows), lam
 
 
+def slot_figures(lam_e: np.ndarray, c: np.ndarray, reference: Reference | None, lays: np.ndarray,
+                 read_tokens: float, tile_rows: float) -> tuple[np.ndarray, np.ndarray]:
+    """`per_slot(lam_e, c, ...)` [J, n] for rows of the layers `lays` [J], taken from the
+    reference where a row has its replica counts (the same numbers: costed per element;
+    at 128 tokens per GPU `expected_tiles` takes 0.25 ms at the DeepSeek-V3 shape)."""
+    same = np.zeros(len(c), dtype=bool) if reference is None else (c == reference.counts[lays]).all(1)  # [J]
+    if not same.any():
+        return per_slot(lam_e, c, read_tokens, tile_rows)
+    cost, lam = reference.slot_cost[lays], reference.slot_tokens[lays]  # [J, n] copies (fancy indexing)
+    if not same.all():
+        cost[~same], lam[~same] = per_slot(lam_e[~same], c[~same], read_tokens, tile_rows)
+    return cost, lam
+
+
 def objective(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int,
               dispatch_tokens: float, base_tokens: np.ndarray | None = None) -> np.ndarray:
     """[R] what the pass lowers: the largest per-GPU cost of the rows `p2l [R, p]` (cost,
@@ -295,6 +327,8 @@ def swap_down(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int, n: 
     stop = np.zeros(R) if target is None else target * (1 + REL_EPS)  # [R]
     eps = np.maximum(SWAP_MIN_GAIN * load.mean(1), 1e-300)  # [R]
     on = presence(p2l, m, n)  # [R, m, n]
+    on_f = on.reshape(-1)  # a view: GPU g of row r holds expert e at (r * m + g) * n + e
+    gpus = np.arange(m)
     e3 = p2l.reshape(R, m, s)  # [R, m, s] a view: swaps below update p2l
     act = r  # rows still gaining
     # the [A, m, s_h, s_g] work arrays, allocated once (allocating them each iteration took
@@ -320,9 +354,9 @@ def swap_down(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int, n: 
         # v's cost EXCLUDED more (h's cost after the swap goes above EXCLUDED), h's slot u
         # holding an expert that g holds (or g being h) makes g's cost EXCLUDED more; a swap
         # excluded by neither has exactly the costs it would have without them
-        a3 = act[:, None, None]
-        X_ex = X + on[a3, h[:, None, None], E] * EXCLUDED  # [A, m, s_g] g's expert on h
-        no_g = on[a3, np.arange(m)[None, :, None], eh[:, None, :]] * EXCLUDED  # [A, m, s_h] h's expert on g
+        # (gathers from the flat `on` by flat index: 2x faster than indexing it [R, m, n])
+        X_ex = X + on_f.take(((act * m + h) * n)[:, None, None] + E) * EXCLUDED  # [A, m, s_g] g's expert on h
+        no_g = on_f.take(((act[:, None] * m + gpus) * n)[:, :, None] + eh[:, None, :]) * EXCLUDED  # [A, m, s_h] h's expert on g
         no_g[ra, h] = EXCLUDED  # not with itself
         LD_ex = LD[:, :, None] + no_g  # [A, m, s_h]
         # torch.from_numpy: views, no copies

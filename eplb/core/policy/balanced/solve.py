@@ -18,21 +18,33 @@ from eplb.core.policy.balanced.replicas import compositions, count_search_pairs,
 from eplb.core.policy.balanced.rows import argsort_rows, counts_of, has_duplicates, max_load, take
 
 
-def solve(w: np.ndarray, p: int, m: int, share: float = 1.0, with_reference: bool = False):
+def fresh_packing(w: np.ndarray, p: int, m: int):
+    """The first step of `solve`: DeepSeek's replica counts (capped at m) packed for tokens,
+    any two replicas of one expert on one GPU repaired. Returns (counts [R, n], p2l
+    [R, p], top [R] or None: the max GPU load of p2l where the repair changed nothing).
+    The decode-aware pass holds kept layouts against this packing (`reads`), so the
+    planner makes it once and hands it to `solve`."""
+    c = replica_counts(w, p, m)  # [R, n]
+    packed, load = pack(w, c, m, with_loads=True)  # [R, p], [R, m]
+    p2l = repair_duplicates(w, packed, m)
+    return c, p2l, (load.max(1) if p2l is packed else None)
+
+
+def solve(w: np.ndarray, p: int, m: int, share: float = 1.0, with_reference: bool = False,
+          fresh: tuple | None = None):
     """From-scratch placement of rows w [R, n] onto p slots of m GPUs: p2l [R, p].
     `share` < 1 scales the improvement budgets down (and lets them reach zero) when the
     caller has other work to do in the same time. With `with_reference`, also returns
     ref [R]: the max GPU load of DeepSeek's own placement of every row (computed on small
     problems only; inf elsewhere), and top [R]: the max GPU load of p2l (bit for bit
-    `rows.max_load`; the steps compute it on the way, so the caller need not)."""
+    `rows.max_load`; the steps compute it on the way, so the caller need not). `fresh`:
+    `fresh_packing(w, p, m)` when the caller has made it (it is not written to)."""
     R, n = w.shape
     s = p // m
     cap = m
     size = R * p
-    c = replica_counts(w, p, cap)  # [R, n]
-    packed, load = pack(w, c, m, with_loads=True)  # [R, p], [R, m]
-    p2l = repair_duplicates(w, packed, m)
-    top = load.max(1) if p2l is packed else None  # [R] max GPU load, while it is known
+    c, p2l, top = fresh_packing(w, p, m) if fresh is None else fresh  # [R, n], [R, p], [R] or None
+    p2l = p2l.copy()  # the steps below write into it
     lo = 1 if share >= 1 else 0
     # on large problems the improvement phases skip rows already within 0.05% of perfect
     # balance (the budget is set by the size, so the time only goes down)
