@@ -598,7 +598,7 @@ def test_the_max_gpu_loads_the_steps_hand_on_are_those_of_max_load():
     (refill_hot changes rows) and with ties."""
     from eplb.core.policy.balanced.packing import pack, refill_hot
     from eplb.core.policy.balanced.rows import gpu_sums, max_load, slot_loads, counts_of
-    from eplb.core.policy.balanced.solve import solve
+    from eplb.core.policy.balanced.solve import fresh_packing, solve
 
     refilled = 0
     for w, c, m in _pack_problems(5, 30, lambda trial, rng: int(rng.integers(2, 9)), (2, 7), 7, 4):
@@ -628,6 +628,13 @@ def test_the_max_gpu_loads_the_steps_hand_on_are_those_of_max_load():
             p2l, ref, top = solve(w, p, m, share=share, with_reference=True)
             assert np.array_equal(p2l, solve(w, p, m, share=share))
             assert np.array_equal(top, max_load(w, p2l, m))
+            # the decode-aware planner hands solve its first step, made once for the catch-up
+            # too: the same plan, and the packing it gave stays as it was
+            fresh = fresh_packing(w, p, m)
+            kept = [None if a is None else a.copy() for a in fresh]
+            assert np.array_equal(solve(w, p, m, share=share, fresh=fresh), p2l)
+            for a, b in zip(fresh, kept):
+                assert (a is None and b is None) or np.array_equal(a, b)
 
 
 @pytest.mark.parametrize("few", [-1, 2, 10**9])

@@ -424,3 +424,37 @@ def test_from_the_start_up_placement_no_layer_costs_more_than_the_fresh_referenc
         assert (from_start <= ref * (1 + 1e-9)).all(), (seed, from_start / ref)
         above += int((from_planned > ref * (1 + 1e-9)).sum())
     assert above >= 2
+
+
+def test_the_catch_up_reuses_the_reference_s_per_slot_figures_exactly():
+    """`slot_figures` takes a layer's per-slot cost and tokens from the fresh reference
+    where the layer has the reference's replica counts, and computes them (`per_slot`)
+    elsewhere: bit for bit `per_slot`'s numbers, whichever rows match, with tiles or
+    without (the plans must not depend on the reuse)."""
+    from eplb.core.policy.balanced.reads import (expert_tokens, fresh_reference, layer_cost, per_slot,
+                                                 slot_figures)
+    from eplb.core.policy.balanced.rows import counts_of
+
+    L, N, M, P = 6, 64, 8, 80
+    load = _loads(3, L, N, sigma=1.5)  # [L, N]
+    choices, read = M * 128 * 8.0, 100.0
+    ref_p2l = fresh_reference(load, P, M)  # [L, P]
+    c_ref = counts_of(ref_p2l, N)  # [L, N]
+    c_other = c_ref.copy()  # other counts: one replica of each layer's most replicated expert to its coldest
+    rows = np.arange(L)
+    c_other[rows, c_ref.argmax(1)] -= 1
+    c_other[rows, load.argmin(1)] += 1
+    assert (c_other != c_ref).any(1).all() and c_ref.max() >= 2
+    lam_e = expert_tokens(load, choices)  # [L, N]
+    for tiles in (0.0, 64.0, 128.0):
+        reference = layer_cost(load, ref_p2l, M, choices, read, tiles)
+        assert np.array_equal(reference.counts, c_ref)
+        # rows: every layer at the reference's counts, then at the planner's, then mixed
+        for c, lays in ((c_ref, np.arange(L)), (c_other, np.arange(L)),
+                        (np.concatenate([c_ref[:3], c_other[3:]]), np.arange(L)),
+                        (c_other[[5, 0, 2]], np.array([5, 0, 2]))):
+            got = slot_figures(lam_e[lays], c, reference, lays, read, tiles)
+            want = per_slot(lam_e[lays], c, read, tiles)
+            for g, w_ in zip(got, want):
+                assert np.array_equal(g, w_), tiles
+            assert np.array_equal(slot_figures(lam_e[lays], c, None, lays, read, tiles)[0], want[0])
