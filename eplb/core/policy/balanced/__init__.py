@@ -36,7 +36,8 @@ The modules, one job each:
 - `reads`: decode-aware packing (`options.read_tokens`): pair exchanges that balance tokens
   plus the weight reads of the slots (one per tile of `options.tile_rows` tokens, none for a
   slot with no token in a step), and the catch-up of a layer costlier than a fresh packing
-  of DeepSeek's replica counts;
+  of DeepSeek's replica counts (`solve.fresh_packing`: the from-scratch plan's first step,
+  made once for both);
 - `shares`: weighted replicas (water-filling shares, and the wrap-around chain: a
   placement built so that shares can reach the mean GPU load exactly).
 
