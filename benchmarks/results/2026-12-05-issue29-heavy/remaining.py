@@ -7,8 +7,9 @@ row on the older plans: it runs again on the new ones. Limits: as there, or 1.5 
 wall time of the H100 row + 30 s. Order: the forecast on the H100 fit with the largest
 group (forecast.md), else the ratio the older list gave. The configurations the check did
 not change have the same default plans in both folders: their H100 rows stand. Rows
-already scored on these plans (`gpu-h1`, `s7-*`) are left out; Qwen3-235B steady prefill
-at EP 16 and 8 is listed once more with `--retime=5`.
+already scored on these plans (`gpu-h1`, `s7-*`, `s8-*`: a row with options counts only
+with the same options) are left out; Qwen3-235B steady prefill at EP 16 and 8 is listed
+once more with `--retime=5`.
 
     python benchmarks/results/2026-12-05-issue29-heavy/remaining.py > benchmarks/results/2026-12-05-issue29-heavy/remaining.md
 """
@@ -51,33 +52,35 @@ def main() -> None:
             model, trace, ep, preset = key
             limit = round(1.5 * walls[key] + 30)
             rows.append((model, f"{ep}:{preset}:{trace}:{limit}", limit, ratio))
-    done = scored()
-    rows = [r for r in rows if not (r[1].count(":") == 3 and key_of(r) in done)]
     # the configuration below deepseek on both of its rows, and EP 8 beside it: timed again
     # side by side in 5 rounds (`--retime`), which takes out the GPU's drift over minutes
     rows += [("qwen3-235b", "16:prefill:steady-lognormal:170:--retime=5", 170, fc[("qwen3-235b", "steady-lognormal", 16, "prefill")]),
              ("qwen3-235b", "8:prefill:steady-lognormal:150:--retime=5", 150, fc[("qwen3-235b", "steady-lognormal", 8, "prefill")])]
+    done = scored()
+    rows = [r for r in rows if (r[0], row_name(r[1])) not in done]
     before.print_calls(rows, plans=".devplans/heavy")
 
 
-def key_of(row) -> tuple:
-    """(model, trace, ep, preset) of a row (model, spec, limit, ratio)."""
-    ep, preset, trace = row[1].split(":")[:3]
-    return row[0], trace, int(ep), preset
+def row_name(spec: str) -> str:
+    """The folder (and rows.log) name `issue29_gpu_rows.sh` gives the row of SPEC
+    EP:PRESET:TRACE[:SECONDS[:EXTRA]] (EXTRA's characters other than letters, digits, '='
+    and '.' become '_')."""
+    ep, preset, trace, *rest = spec.split(":")
+    extra = rest[1] if len(rest) > 1 else ""
+    return f"ep{ep}-{preset}-{trace}" + (f"-{re.sub(r'[^a-zA-Z0-9=.]', '_', extra)}" if extra else "")
 
 
-LINE = re.compile(r"^ep(\d+)-(\w+)-(\S+) rc 0 .*? (qwen3-235b|deepseek-v3) .*default/deepseek \d")
+LINE = re.compile(r"^(\S+) rc 0 .*? (qwen3-235b|deepseek-v3) .*default/deepseek \d")
 
 
 def scored() -> set:
-    """(model, trace, ep, preset) of the rows scored on these plans: every `rows.log` line
-    of gpu-h1 and the seventh session's calls (s7-*) with a ratio, options excluded."""
+    """(model, row name) of the rows scored on these plans: every `rows.log` line with a
+    ratio of gpu-h1 and of the later sessions' calls (s7-*, s8-*)."""
     out = set()
-    for log in [HERE / "gpu-h1" / "rows.log", *sorted(HERE.glob("s7-*/rows.log"))]:
+    for log in [HERE / "gpu-h1" / "rows.log", *sorted(HERE.glob("s[0-9]*-*/rows.log"))]:
         for line in log.read_text().splitlines():
-            m = LINE.match(line)
-            if m and "_" not in m.group(3):  # a folder name with options has them after '_'
-                out.add((m.group(4), m.group(3), int(m.group(1)), m.group(2)))
+            if m := LINE.match(line):
+                out.add((m.group(2), m.group(1)))
     return out
 
 
