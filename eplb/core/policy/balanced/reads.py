@@ -79,8 +79,9 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     largest GPU cost by more than `min_gain` (relative).
 
     reference: the cost of a fresh plan of each layer (`fresh_reference`, `layer_cost`):
-    its largest GPU cost and busiest GPU's tokens [L], and the replica counts and per-slot
-    figures [L, n] the candidates below reuse. A row costlier than its
+    its largest GPU cost and busiest GPU's tokens [L], its replica counts (DeepSeek's: the
+    second candidate below moves to them) and per-slot figures [L, n], which the
+    candidates reuse where their counts are the same. A row costlier than its
     layer's reference cost is brought down to it whatever `min_gain` says, by whichever of
     two candidates gets there with fewer moves: swaps alone, or (one row per layer) first
     the move to DeepSeek's replica counts with one copy per changed count
