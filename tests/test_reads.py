@@ -449,7 +449,7 @@ def test_the_catch_up_reuses_the_reference_s_per_slot_figures_exactly():
     for tiles in (0.0, 64.0, 128.0):
         reference = layer_cost(load, ref_p2l, M, choices, read, tiles)
         assert np.array_equal(reference.counts, c_ref)
-        # rows: every layer at the reference's counts, then at the planner's, then mixed
+        # rows: every layer at the reference's counts, then at the other counts, then mixed, then a few layers out of order
         for c, lays in ((c_ref, np.arange(L)), (c_other, np.arange(L)),
                         (np.concatenate([c_ref[:3], c_other[3:]]), np.arange(L)),
                         (c_other[[5, 0, 2]], np.array([5, 0, 2]))):
