@@ -310,6 +310,22 @@ def test_expected_tiles_is_the_poisson_mean_of_the_tile_count():
     assert np.array_equal(got0, -np.expm1(-lams))
 
 
+def test_expected_tiles_leaves_out_only_terms_below_rounding():
+    """Every slot whose tiles past the first count (a normal-tail term above 1e-15) gets
+    them: on a dense grid of expected tokens, from cold slots to several tiles, the
+    function equals the whole sum of the tail terms (every k, by `math.erfc`) to 1e-12, so
+    its choice of the few slots and terms it computes drops nothing that counts."""
+    from eplb.core.policy.balanced.reads import expected_tiles
+
+    lams = np.concatenate([np.linspace(0.0, 400.0, 4001), np.linspace(400.0, 3000.0, 521)])  # [K]
+    for tile_rows in (16.0, 64.0, 128.0):
+        got = expected_tiles(lams.copy(), tile_rows)
+        want = np.array([-math.expm1(-x) + sum(0.5 * math.erfc((k * tile_rows + 0.5 - x) / math.sqrt(2.0 * x))
+                                               for k in range(1, int((x + 12.0 * math.sqrt(x)) / tile_rows) + 2)) if x > 0 else 0.0
+                         for x in lams])
+        assert np.abs(got - want).max() < 1e-12, tile_rows
+
+
 def test_erfc_matches_the_standard_library():
     from eplb.core.policy.balanced.reads import erfc
 

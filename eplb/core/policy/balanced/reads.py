@@ -100,7 +100,6 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     L, n = w.shape
     R, p = p2l.shape
     layer = np.arange(R) // rows_per_layer  # [R] the layer of each row
-    total = w.sum(1)[layer]  # [R] the layer's load
     # per layer, not per row: a layer's rows (nodes) hold disjoint experts, so a layer's
     # replica counts are those of the row holding the expert, and a row only ever reads its
     # own experts' entries below ([L, n] arrays, not [R, n]: 4x smaller at 4 nodes)
@@ -108,11 +107,12 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     c = counts_of(p2l.reshape(L, -1), n)  # [L, n] replica counts
     lam = lam_e / np.maximum(c, 1)  # [L, n] ... on one slot of it
     r = layer[:, None]  # [R, 1] a row's entries of the [L, n] arrays
+    at = p2l + r * n  # [R, p] each slot's entry of the flat [L, n] arrays (a flat take: 2x faster)
     # rows whose every slot reads anyway (each expects WARM_TOKENS or more) are left to the
     # token balance, tiles or not: their reads differ from GPU to GPU by the rounding of
     # tiles at most, and searching every warm row costs tens of ms at the DeepSeek-V3 shape.
     # Only the catch-up with the reference looks at every row
-    lam_s = lam[r, p2l]  # [R, p] tokens per step of each slot
+    lam_s = lam.ravel().take(at)  # [R, p] tokens per step of each slot
     cold = (lam_s < WARM_TOKENS).any(1)  # [R]
     look = np.flatnonzero(cold) if reference is None else np.arange(R)  # [R'] rows costed
     if not look.size:
@@ -122,12 +122,15 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     seen = np.zeros(L, dtype=bool)
     seen[layer[look]] = True
     lays = np.flatnonzero(seen)  # [L'] the layers of the rows looked at (np.unique: 0.3 ms)
-    cost_e = np.zeros((L, n))
-    cost_e[lays] = slot_figures(lam_e[lays], c[lays], reference, lays, read_tokens, tile_rows)[0]  # [L', n]
+    if lays.size == L:  # (no copies of the [L, n] arrays)
+        cost_e = slot_figures(lam_e, c, reference, lays, read_tokens, tile_rows, lam)[0]  # [L, n]
+    else:
+        cost_e = np.zeros((L, n))
+        cost_e[lays] = slot_figures(lam_e[lays], c[lays], reference, lays, read_tokens, tile_rows, lam[lays])[0]
     sums = np.zeros((R, m))
-    sums[look] = gpu_sums(cost_e[r[look], p2l[look]], m)  # [R', m]
+    sums[look] = gpu_sums(cost_e.ravel().take(at[look]), m)  # [R', m]
     top = sums.max(1)  # [R]
-    base_tok = gpu_sums(lam_s, m).max(1)  # [R] the busiest GPU's tokens
+    base_tok = np.zeros(R)  # [R] the busiest GPU's tokens, on the rows searched below
 
     def expert_cost(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[R'] (rows looked at) -> ([R', n], [R', n]): one slot's cost and tokens of each expert."""
@@ -144,6 +147,10 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     # 1. within the reference (or without one): swaps alone, kept when they gain min_gain;
     # 2. costlier than the reference: brought down to it, whatever min_gain, by the
     #    candidate (swaps alone, or DeepSeek's counts first) that gets there in fewer moves
+    searched = np.flatnonzero(can | over)
+    if not searched.size:
+        return out
+    base_tok[searched] = gpu_sums(lam_s[searched], m).max(1)
     rows = np.nonzero(can & ~over)[0]
     if rows.size:
         cost, lam_r = expert_cost(rows)  # [R', n] each
@@ -161,6 +168,7 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
         cands = [p2l[rows]]
         if rows_per_layer == 1:  # the row holds every expert: DeepSeek's counts are the row's
             wr, moved = w[rows], p2l[rows].copy()
+            total = w.sum(1)[layer[rows]]  # [R'] the layer's load
             c_ds = reference.counts[rows]  # [R', n] (DeepSeek's: `fresh_reference`)
             ch = np.flatnonzero((counts_of(moved, n) != c_ds).any(1))  # rows whose counts change
             if ch.size:  # (`transition` keeps a row at its counts as it is)
@@ -169,7 +177,7 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
             # (max-GPU moves to the token cap, in load units); skipped when no row is above
             # the cap, where it moves nothing (it is called on all rows or none: the rows it
             # gets set how widely it searches)
-            cap_load = cap * total[rows] / step_choices  # [R']
+            cap_load = cap * total / step_choices  # [R']
             if ch.size or (max_load(wr, moved, m) > cap_load).any():
                 moved, _ = improve_max(wr, moved, m, m, budget=READ_ITERS, target=cap_load, fix=True)
             cands.append(moved)
@@ -235,14 +243,22 @@ def expected_tiles(lam: np.ndarray, tile_rows: float) -> np.ndarray:
     approximation of the Poisson tail (with continuity correction), close where it matters
     (lam near a multiple of tile_rows, tens of tokens or more); terms more than `_TAIL`
     standard deviations away are 1 or 0, so only the few in between are computed."""
-    out = -np.expm1(-lam)  # P(X >= 1)
+    out = np.negative(lam)
+    np.expm1(out, out=out)
+    np.negative(out, out=out)  # P(X >= 1)
     if tile_rows <= 0 or lam.size == 0:
         return out
-    sd = np.sqrt(lam)
-    i = np.flatnonzero(lam + _TAIL * sd + 0.5 >= tile_rows)  # slots that may need a second tile
+    # slots that may need a second tile: lam + _TAIL sqrt(lam) + 0.5 >= tile_rows, tested
+    # on the few slots near or above the root of that sum (a tenth below it, for rounding)
+    root = (np.sqrt(_TAIL ** 2 / 4 + tile_rows - 0.5) - _TAIL / 2) ** 2
+    i = np.flatnonzero(lam >= 0.9 * root)
+    li = lam.flat[i]
+    si = np.sqrt(li)
+    near = li + _TAIL * si + 0.5 >= tile_rows
+    if not near.all():
+        i, li, si = i[near], li[near], si[near]
     if i.size == 0:
         return out
-    li, si = lam.flat[i], sd.flat[i]
     first = np.maximum(1, np.floor((li - _TAIL * si - 0.5) / tile_rows) + 1)  # [K] first k not surely 1
     last = np.floor((li + _TAIL * si) / tile_rows)  # [K] last k not surely 0
     extra = first - 1  # the terms that are 1
@@ -263,21 +279,24 @@ def erfc(x: np.ndarray) -> np.ndarray:
     return torch.special.erfc(torch.from_numpy(np.array(x, dtype=np.float64))).numpy()
 
 
-def per_slot(lam_e: np.ndarray, c: np.ndarray, read_tokens: float, tile_rows: float):
+def per_slot(lam_e: np.ndarray, c: np.ndarray, read_tokens: float, tile_rows: float,
+             lam: np.ndarray | None = None):
     """(cost, tokens) [R, n] of one slot of each expert with `c` replicas: tokens per step
-    `lam_e / c` plus `read_tokens` per expected weight read (`expected_tiles`)."""
-    lam = lam_e / np.maximum(c, 1)
+    `lam_e / c` plus `read_tokens` per expected weight read (`expected_tiles`); lam: those
+    tokens, when the caller has them."""
+    lam = lam_e / np.maximum(c, 1) if lam is None else lam
     return lam + read_tokens * expected_tiles(lam, tile_rows), lam
 
 
 def slot_figures(lam_e: np.ndarray, c: np.ndarray, reference: Reference | None, lays: np.ndarray,
-                 read_tokens: float, tile_rows: float) -> tuple[np.ndarray, np.ndarray]:
+                 read_tokens: float, tile_rows: float, lam: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """`per_slot(lam_e, c, ...)` [J, n] for rows of the layers `lays` [J], taken from the
     reference where a row has its replica counts (the same numbers: costed per element;
-    at 128 tokens per GPU `expected_tiles` takes 0.25 ms at the DeepSeek-V3 shape)."""
+    at 128 tokens per GPU `expected_tiles` takes 0.25 ms at the DeepSeek-V3 shape). lam
+    [J, n]: `lam_e / max(c, 1)`, when the caller has it."""
     same = np.zeros(len(c), dtype=bool) if reference is None else (c == reference.counts[lays]).all(1)  # [J]
     if not same.any():
-        return per_slot(lam_e, c, read_tokens, tile_rows)
+        return per_slot(lam_e, c, read_tokens, tile_rows, lam)
     cost, lam = reference.slot_cost[lays], reference.slot_tokens[lays]  # [J, n] copies (fancy indexing)
     if not same.all():
         cost[~same], lam[~same] = per_slot(lam_e[~same], c[~same], read_tokens, tile_rows)
