@@ -299,7 +299,7 @@ def test_swap_down_is_the_search_written_as_loops(dispatch_tokens, with_target):
 
 
 def test_expected_tiles_is_the_poisson_mean_of_the_tile_count():
-    from eplb.core.policy.balanced.reads import expected_tiles
+    from eplb.core.policy.balanced.read_cost import expected_tiles
 
     lams = np.array([0.0, 0.2, 5.0, 50.0, 100.0, 120.0, 128.0, 140.0, 200.0, 257.0, 1000.0, 3000.5])
     for tile_rows in (64.0, 128.0):
@@ -315,7 +315,7 @@ def test_expected_tiles_leaves_out_only_terms_below_rounding():
     them: on a dense grid of expected tokens, from cold slots to several tiles, the
     function equals the whole sum of the tail terms (every k, by `math.erfc`) to 1e-12, so
     its choice of the few slots and terms it computes drops nothing that counts."""
-    from eplb.core.policy.balanced.reads import expected_tiles
+    from eplb.core.policy.balanced.read_cost import expected_tiles
 
     lams = np.concatenate([np.linspace(0.0, 400.0, 4001), np.linspace(400.0, 3000.0, 521)])  # [K]
     for tile_rows in (16.0, 64.0, 128.0):
@@ -327,7 +327,7 @@ def test_expected_tiles_leaves_out_only_terms_below_rounding():
 
 
 def test_erfc_matches_the_standard_library():
-    from eplb.core.policy.balanced.reads import erfc
+    from eplb.core.policy.balanced.read_cost import erfc
 
     x = np.linspace(-6.0, 6.0, 241)
     want = np.array([math.erfc(v) for v in x])
@@ -396,7 +396,8 @@ def test_a_row_over_the_fresh_reference_always_gets_down_to_it():
     reference ends at or below it. Swaps and DeepSeek's counts alone leave some of these
     rows above it; the fresh plan relabelled is the candidate that always gets there."""
     from eplb.core.placement import Placement
-    from eplb.core.policy.balanced.reads import fresh_reference, layer_cost, spread_reads
+    from eplb.core.policy.balanced.read_cost import fresh_reference, layer_cost
+    from eplb.core.policy.balanced.reads import spread_reads
 
     L, N, M, P = 4, 64, 8, 72
     choices, read = M * 128 * 4.0, 100.0  # 128 tokens per GPU, top-4: the hot slots overflow a tile
@@ -423,7 +424,7 @@ def test_from_the_start_up_placement_no_layer_costs_more_than_the_fresh_referenc
     expected reads per tile: the catch-up may replace a start-up layer. The same layout
     marked as planned is only moved, never replaced, and some of its layers stay above."""
     from eplb.core.placement import Placement
-    from eplb.core.policy.balanced.reads import fresh_reference, layer_cost
+    from eplb.core.policy.balanced.read_cost import fresh_reference, layer_cost
 
     L, N, M, P = 4, 64, 8, 72
     choices, read = M * 128 * 4.0, 100.0  # 128 tokens per GPU, top-4: the hot slots overflow a tile
@@ -447,8 +448,8 @@ def test_the_catch_up_reuses_the_reference_s_per_slot_figures_exactly():
     where the layer has the reference's replica counts, and computes them (`per_slot`)
     elsewhere: bit for bit `per_slot`'s numbers, whichever rows match, with tiles or
     without (the plans must not depend on the reuse)."""
-    from eplb.core.policy.balanced.reads import (expert_tokens, fresh_reference, layer_cost, per_slot,
-                                                 slot_figures)
+    from eplb.core.policy.balanced.read_cost import (expert_tokens, fresh_reference, layer_cost, per_slot,
+                                                     slot_figures)
     from eplb.core.policy.balanced.rows import counts_of
 
     L, N, M, P = 6, 64, 8, 80

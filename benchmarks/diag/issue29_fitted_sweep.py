@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE))
 
 import issue29  # noqa: E402
 from eplb.core.cost_model import MODEL_PRESETS, AnalyticCost, LinkModel  # noqa: E402
-from eplb.core.policy.balanced.reads import expert_tokens, layer_cost  # noqa: E402
+from eplb.core.policy.balanced.read_cost import expert_tokens, layer_cost  # noqa: E402
 from eplb.core.policy.balanced.rows import counts_of  # noqa: E402
 from eplb.core.scale import plan_scale, scale_replay, slot_counts  # noqa: E402
 from eplb.ops.gpu_cost import FEATURES  # noqa: E402

@@ -52,7 +52,8 @@ import numpy as np
 from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
 from eplb.core.policy.deepseek import deepseek_policy
 from eplb.core.policy.balanced.moves import HEAVY_ROWS, plan_rows
-from eplb.core.policy.balanced.reads import layer_cost, spread_reads
+from eplb.core.policy.balanced.read_cost import layer_cost
+from eplb.core.policy.balanced.reads import spread_reads
 from eplb.core.policy.balanced.shares import plan_shares, replica_shares
 from eplb.core.policy.balanced.solve import fresh_packing
 from eplb.core.policy.balanced.topology import plan_hierarchical

@@ -12,7 +12,7 @@ In token units, a slot with an expected `lam` tokens per step (Poisson, X) costs
     lam + read_tokens * E[ceil(X / tile_rows)]    # tokens, plus a read per tile
                                                  # (tile_rows 0: P(X >= 1), one read)
 
-and this pass lowers the largest per-GPU sum of that cost by swapping slots between the
+(the cost model: `read_cost`), and this pass lowers the largest per-GPU sum of that cost by swapping slots between the
 costliest GPU and the others, one pair of slots at a time. Replica counts and node
 locality do not change. A GPU's tokens also set its share of the dispatch and combine
 all-to-all, which reads do not enter: raising the row's busiest GPU tokens by one costs
@@ -25,24 +25,23 @@ the read term is the same on every GPU (every slot reads once) and the pass does
 Kept layouts keep the replica counts they started from (those of the start-up placement
 at first), which token balance cannot tell apart and reads can: a row costlier than a
 fresh plan of the same load, DeepSeek's replica counts packed for tokens
-(`fresh_reference`, `layer_cost`), catches up with it, through those counts when that
-moves less; from scratch or from the start-up placement, a row that neither gets there
-takes that plan relabelled (`spread_reads`). The runtime's defaults (`EplbConfig.read_tokens`,
-`dispatch_tokens`, `tile_rows`) and what they were measured against: benchmarks/README.md,
-issue 29 ("Target 3 ... on by default", 2026-12-04 and 2026-12-05 (fourth)).
+(`read_cost.fresh_reference`, `read_cost.layer_cost`), catches up with it, through those
+counts when that moves less; from scratch or from the start-up placement, a row that
+neither gets there takes that plan relabelled (`spread_reads`). The runtime's defaults
+(`EplbConfig.read_tokens`, `dispatch_tokens`, `tile_rows`) and what they were measured
+against: benchmarks/README.md, issue 29 ("Target 3 ... on by default", 2026-12-04 and
+2026-12-05 (fourth)).
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from eplb.core.policy.base import DEFAULT_TILE_ROWS
 from eplb.core.policy.balanced.moves import align, transition
+from eplb.core.policy.balanced.read_cost import Reference, expert_tokens, slot_figures
 from eplb.core.policy.balanced.refinement import improve_max
 from eplb.core.policy.balanced.rows import REL_EPS, counts_of, gpu_sums, max_load, presence
-from eplb.core.policy.balanced.solve import fresh_packing
 
 WARM_TOKENS = 8.0  # a slot expecting this many tokens per step is empty with p < 0.04%
 # a row costlier than the fresh reference catches up with it pricing a token more on its
@@ -52,16 +51,6 @@ CATCH_UP_DISPATCH_TOKENS = 1.0
 READ_ITERS = 200  # most swaps per row (the search stops earlier when no swap gains)
 SWAP_MIN_GAIN = 1e-4  # a swap must lower the costliest GPU by this fraction of the mean GPU cost
 EXCLUDED = 1e300  # swap_down: what an excluded swap adds to its score (a few still sum below inf)
-
-
-class Reference(NamedTuple):
-    """A placement's cost per layer as the pass counts it (`layer_cost`): for the fresh
-    plan, what a kept layout is held against (`spread_reads`)."""
-    cost: np.ndarray  # [L] the largest GPU cost
-    tokens: np.ndarray  # [L] the busiest GPU's tokens per step
-    counts: np.ndarray  # [L, n] replica counts
-    slot_cost: np.ndarray  # [L, n] one slot's cost of each expert at these counts (`per_slot`)
-    slot_tokens: np.ndarray  # [L, n] ... and its tokens per step
 
 
 def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, read_tokens: float,
@@ -206,101 +195,6 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
         keep = best_after < top[rows] * (1.0 - REL_EPS)
         out[rows[keep]] = best[keep]
     return out
-
-
-def fresh_reference(w: np.ndarray, p: int, m: int) -> np.ndarray:
-    """p2l [L, p]: DeepSeek's replica counts (`replica_counts`) packed afresh for tokens
-    (`pack`, duplicates repaired: `solve.fresh_packing`, the first step of a from-scratch
-    plan), the fresh plan a kept layout's cost is held against. It stands for DeepSeek's
-    own plan (the same counts, a token-balancing packing) at the cost of a packing:
-    DeepSeek's code takes 20-110 ms at the DeepSeek-V3 shape."""
-    return fresh_packing(w, p, m)[1]
-
-
-def layer_cost(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, read_tokens: float,
-               tile_rows: float = DEFAULT_TILE_ROWS, counts: np.ndarray | None = None) -> Reference:
-    """The largest GPU cost (tokens plus weight reads, as the pass counts them) and the
-    busiest GPU's tokens per step [L] of each layer's placement p2l [L, P] on m GPUs, for
-    loads w [L, n], with what they came from (`Reference`). counts [L, n]: p2l's replica
-    counts, when known."""
-    c = counts_of(p2l, w.shape[1]) if counts is None else counts  # [L, n]
-    cost, lam = per_slot(expert_tokens(w, step_choices), c, read_tokens, tile_rows)  # [L, n]
-    r = np.arange(len(p2l))[:, None]
-    return Reference(gpu_sums(cost[r, p2l], m).max(1), gpu_sums(lam[r, p2l], m).max(1), c, cost, lam)
-
-
-def expert_tokens(w: np.ndarray, step_choices: float) -> np.ndarray:
-    """[L, n] tokens per step of each expert: its share of its layer's load w [L, n] of the
-    `step_choices` token-expert choices (0 for an all-zero layer)."""
-    total = w.sum(1, keepdims=True)  # [L, 1]
-    return np.divide(w * step_choices, total, out=np.zeros(w.shape), where=total > 0)
-
-
-def expected_tiles(lam: np.ndarray, tile_rows: float) -> np.ndarray:
-    """E[ceil(X / tile_rows)] for X ~ Poisson(lam): the weight reads of a slot expecting
-    `lam` tokens per step, one per tile of `tile_rows` rows (0: one per non-empty slot,
-    P(X >= 1)). The tiles past the first, P(X > k tile_rows) for k >= 1, use the normal
-    approximation of the Poisson tail (with continuity correction), close where it matters
-    (lam near a multiple of tile_rows, tens of tokens or more); terms more than `_TAIL`
-    standard deviations away are 1 or 0, so only the few in between are computed."""
-    out = np.negative(lam)
-    np.expm1(out, out=out)
-    np.negative(out, out=out)  # P(X >= 1)
-    if tile_rows <= 0 or lam.size == 0:
-        return out
-    # slots that may need a second tile: lam + _TAIL sqrt(lam) + 0.5 >= tile_rows, tested
-    # on the few slots near or above the root of that sum (a tenth below it, for rounding)
-    root = (np.sqrt(_TAIL ** 2 / 4 + tile_rows - 0.5) - _TAIL / 2) ** 2
-    i = np.flatnonzero(lam >= 0.9 * root)
-    li = lam.flat[i]
-    si = np.sqrt(li)
-    near = li + _TAIL * si + 0.5 >= tile_rows
-    if not near.all():
-        i, li, si = i[near], li[near], si[near]
-    if i.size == 0:
-        return out
-    first = np.maximum(1, np.floor((li - _TAIL * si - 0.5) / tile_rows) + 1)  # [K] first k not surely 1
-    last = np.floor((li + _TAIL * si) / tile_rows)  # [K] last k not surely 0
-    extra = first - 1  # the terms that are 1
-    for j in range(int((last - first).max()) + 1):
-        k = first + j
-        on = k <= last
-        extra += np.where(on, 0.5 * erfc((k * tile_rows + 0.5 - li) / (np.sqrt(2.0) * np.maximum(si, 1e-12))), 0.0)
-    out.flat[i] += extra
-    return out
-
-
-_TAIL = 8.0  # expected_tiles: standard deviations beyond which a tile's term is 0 or 1
-
-
-def erfc(x: np.ndarray) -> np.ndarray:
-    """The complementary error function, elementwise (numpy has none): torch's
-    `special.erfc` on a float64 copy of x (correct to double precision)."""
-    return torch.special.erfc(torch.from_numpy(np.array(x, dtype=np.float64))).numpy()
-
-
-def per_slot(lam_e: np.ndarray, c: np.ndarray, read_tokens: float, tile_rows: float,
-             lam: np.ndarray | None = None):
-    """(cost, tokens) [R, n] of one slot of each expert with `c` replicas: tokens per step
-    `lam_e / c` plus `read_tokens` per expected weight read (`expected_tiles`); lam: those
-    tokens, when the caller has them."""
-    lam = lam_e / np.maximum(c, 1) if lam is None else lam
-    return lam + read_tokens * expected_tiles(lam, tile_rows), lam
-
-
-def slot_figures(lam_e: np.ndarray, c: np.ndarray, reference: Reference | None, lays: np.ndarray,
-                 read_tokens: float, tile_rows: float, lam: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """`per_slot(lam_e, c, ...)` [J, n] for rows of the layers `lays` [J], taken from the
-    reference where a row has its replica counts (the same numbers: costed per element;
-    at 128 tokens per GPU `expected_tiles` takes 0.25 ms at the DeepSeek-V3 shape). lam
-    [J, n]: `lam_e / max(c, 1)`, when the caller has it."""
-    same = np.zeros(len(c), dtype=bool) if reference is None else (c == reference.counts[lays]).all(1)  # [J]
-    if not same.any():
-        return per_slot(lam_e, c, read_tokens, tile_rows, lam)
-    cost, lam = reference.slot_cost[lays], reference.slot_tokens[lays]  # [J, n] copies (fancy indexing)
-    if not same.all():
-        cost[~same], lam[~same] = per_slot(lam_e[~same], c[~same], read_tokens, tile_rows)
-    return cost, lam
 
 
 def objective(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int,
