@@ -12,15 +12,16 @@ In token units, a slot with an expected `lam` tokens per step (Poisson, X) costs
     lam + read_tokens * E[ceil(X / tile_rows)]    # tokens, plus a read per tile
                                                  # (tile_rows 0: P(X >= 1), one read)
 
-(the cost model: `read_cost`), and this pass lowers the largest per-GPU sum of that cost by swapping slots between the
-costliest GPU and the others, one pair of slots at a time. Replica counts and node
-locality do not change. A GPU's tokens also set its share of the dispatch and combine
-all-to-all, which reads do not enter: raising the row's busiest GPU tokens by one costs
-`dispatch_tokens` (inf: the pass never raises them), so the pass does not make the
-exchange slower by more than it makes the GEMMs faster. A row keeps the result only when
-this objective (`objective`) falls by more than `min_gain` (relative): each swap is two
-copies. With `tile_rows` 0 and every slot expecting at least `WARM_TOKENS` tokens per step
-the read term is the same on every GPU (every slot reads once) and the pass does nothing.
+(the cost model: `read_cost`), and this pass lowers the largest per-GPU sum of that cost
+by swapping slots between the costliest GPU and the others, one pair of slots at a time.
+Replica counts and node locality do not change. A GPU's tokens also set its share of the
+dispatch and combine all-to-all, which reads do not enter: raising the row's busiest GPU
+tokens by one costs `dispatch_tokens` (inf: the pass never raises them), so the pass does
+not make the exchange slower by more than it makes the GEMMs faster. A row keeps the
+result only when this objective (`objective`) falls by more than `min_gain` (relative):
+each swap is two copies. With `tile_rows` 0 and every slot expecting at least
+`WARM_TOKENS` tokens per step the read term is the same on every GPU (every slot reads
+once) and the pass does nothing.
 
 Kept layouts keep the replica counts they started from (those of the start-up placement
 at first), which token balance cannot tell apart and reads can: a row costlier than a
