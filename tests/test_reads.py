@@ -396,7 +396,8 @@ def test_a_row_over_the_fresh_reference_always_gets_down_to_it():
     reference ends at or below it. Swaps and DeepSeek's counts alone leave some of these
     rows above it; the fresh plan relabelled is the candidate that always gets there."""
     from eplb.core.placement import Placement
-    from eplb.core.policy.balanced.read_cost import fresh_reference, layer_cost
+    from eplb.core.policy.balanced.read_cost import layer_cost
+    from eplb.core.policy.balanced.solve import fresh_packing
     from eplb.core.policy.balanced.reads import spread_reads
 
     L, N, M, P = 4, 64, 8, 72
@@ -405,7 +406,7 @@ def test_a_row_over_the_fresh_reference_always_gets_down_to_it():
     for seed in range(4):
         load = _loads(seed, L, N, sigma=1.0)  # [L, N]
         p2l = plan(load, M, P, previous=Placement.initial(L, N, P, M)).physical_to_logical  # [L, P]
-        ref = fresh_reference(load, P, M)  # [L, P]
+        ref = fresh_packing(load, P, M)[1]  # [L, P]
         ref_cost = layer_cost(load, ref, M, choices, read)
         before = layer_cost(load, p2l, M, choices, read)[0]  # [L]
         out = spread_reads(load, p2l, M, choices, read, min_gain=0.03, dispatch_tokens=40.0,
@@ -424,7 +425,8 @@ def test_from_the_start_up_placement_no_layer_costs_more_than_the_fresh_referenc
     expected reads per tile: the catch-up may replace a start-up layer. The same layout
     marked as planned is only moved, never replaced, and some of its layers stay above."""
     from eplb.core.placement import Placement
-    from eplb.core.policy.balanced.read_cost import fresh_reference, layer_cost
+    from eplb.core.policy.balanced.read_cost import layer_cost
+    from eplb.core.policy.balanced.solve import fresh_packing
 
     L, N, M, P = 4, 64, 8, 72
     choices, read = M * 128 * 4.0, 100.0  # 128 tokens per GPU, top-4: the hot slots overflow a tile
@@ -433,7 +435,7 @@ def test_from_the_start_up_placement_no_layer_costs_more_than_the_fresh_referenc
         load = _loads(seed, L, N, sigma=1.0)  # [L, N]
         start = Placement.initial(L, N, P, M)
         planned = start.with_physical_to_logical(start.physical_to_logical, policy="default")
-        ref = layer_cost(load, fresh_reference(load, P, M), M, choices, read)[0]  # [L]
+        ref = layer_cost(load, fresh_packing(load, P, M)[1], M, choices, read)[0]  # [L]
         kw = dict(read_tokens=read, step_choices=choices)
         from_start = layer_cost(load, plan(load, M, P, previous=start, **kw).physical_to_logical, M, choices, read)[0]
         from_planned = layer_cost(load, plan(load, M, P, previous=planned, **kw).physical_to_logical, M, choices,
@@ -448,14 +450,14 @@ def test_the_catch_up_reuses_the_reference_s_per_slot_figures_exactly():
     where the layer has the reference's replica counts, and computes them (`per_slot`)
     elsewhere: bit for bit `per_slot`'s numbers, whichever rows match, with tiles or
     without (the plans must not depend on the reuse)."""
-    from eplb.core.policy.balanced.read_cost import (expert_tokens, fresh_reference, layer_cost, per_slot,
-                                                     slot_figures)
+    from eplb.core.policy.balanced.read_cost import expert_tokens, layer_cost, per_slot, slot_figures
+    from eplb.core.policy.balanced.solve import fresh_packing
     from eplb.core.policy.balanced.rows import counts_of
 
     L, N, M, P = 6, 64, 8, 80
     load = _loads(3, L, N, sigma=1.5)  # [L, N]
     choices, read = M * 128 * 8.0, 100.0
-    ref_p2l = fresh_reference(load, P, M)  # [L, P]
+    ref_p2l = fresh_packing(load, P, M)[1]  # [L, P]
     c_ref = counts_of(ref_p2l, N)  # [L, N]
     c_other = c_ref.copy()  # other counts: one replica of each layer's most replicated expert to its coldest
     rows = np.arange(L)

@@ -4,9 +4,11 @@ A slot expecting `lam` tokens per step (Poisson, X) costs `lam` tokens of work p
 `read_tokens` per weight read, one read per tile of `tile_rows` of its tokens
 (`expected_tiles`: E[ceil(X / tile_rows)]; tile_rows 0: one read when it gets any token).
 A placement's cost is its costliest GPU's sum (`layer_cost`); the fresh plan of a load,
-DeepSeek's replica counts packed for tokens (`fresh_reference`), is what `reads` holds a
-kept layout against, its per-expert figures kept (`Reference`) so that the pass reuses
-them wherever its counts are the same (`slot_figures`).
+DeepSeek's replica counts packed for tokens (`solve.fresh_packing`, the first step of a
+from-scratch plan: DeepSeek's own plan at the cost of a packing, where DeepSeek's code
+takes 20-110 ms at the DeepSeek-V3 shape), is what `reads` holds a kept layout against,
+its per-expert figures kept (`Reference`) so that the pass reuses them wherever its counts
+are the same (`slot_figures`).
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ import torch
 
 from eplb.core.policy.base import DEFAULT_TILE_ROWS
 from eplb.core.policy.balanced.rows import counts_of, gpu_sums
-from eplb.core.policy.balanced.solve import fresh_packing
 
 
 class Reference(NamedTuple):
@@ -28,15 +29,6 @@ class Reference(NamedTuple):
     counts: np.ndarray  # [L, n] replica counts
     slot_cost: np.ndarray  # [L, n] one slot's cost of each expert at these counts (`per_slot`)
     slot_tokens: np.ndarray  # [L, n] ... and its tokens per step
-
-
-def fresh_reference(w: np.ndarray, p: int, m: int) -> np.ndarray:
-    """p2l [L, p]: DeepSeek's replica counts (`replica_counts`) packed afresh for tokens
-    (`pack`, duplicates repaired: `solve.fresh_packing`, the first step of a from-scratch
-    plan), the fresh plan a kept layout's cost is held against. It stands for DeepSeek's
-    own plan (the same counts, a token-balancing packing) at the cost of a packing:
-    DeepSeek's code takes 20-110 ms at the DeepSeek-V3 shape."""
-    return fresh_packing(w, p, m)[1]
 
 
 def layer_cost(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, read_tokens: float,

@@ -26,7 +26,7 @@ once) and the pass does nothing.
 Kept layouts keep the replica counts they started from (those of the start-up placement
 at first), which token balance cannot tell apart and reads can: a row costlier than a
 fresh plan of the same load, DeepSeek's replica counts packed for tokens
-(`read_cost.fresh_reference`, `read_cost.layer_cost`), catches up with it, through those
+(`solve.fresh_packing`, `read_cost.layer_cost`), catches up with it, through those
 counts when that moves less; from scratch or from the start-up placement, a row that
 neither gets there takes that plan relabelled (`spread_reads`). The runtime's defaults
 (`EplbConfig.read_tokens`, `dispatch_tokens`, `tile_rows`) and what they were measured
@@ -68,8 +68,8 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     (0: one read per non-empty slot). Rows are improved by swaps when that lowers their
     largest GPU cost by more than `min_gain` (relative).
 
-    reference: the cost of a fresh plan of each layer (`fresh_reference`, `layer_cost`):
-    its largest GPU cost and busiest GPU's tokens [L], its replica counts (DeepSeek's: the
+    reference: the cost of a fresh plan of each layer (`solve.fresh_packing`,
+    `read_cost.layer_cost`): its largest GPU cost and busiest GPU's tokens [L], its replica counts (DeepSeek's: the
     second candidate below moves to them) and per-slot figures [L, n], which the
     candidates reuse where their counts are the same. A row costlier than its
     layer's reference cost is brought down to it whatever `min_gain` says, by whichever of
@@ -159,7 +159,7 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
         if rows_per_layer == 1:  # the row holds every expert: DeepSeek's counts are the row's
             wr, moved = w[rows], p2l[rows].copy()
             total = w.sum(1)[layer[rows]]  # [R'] the layer's load
-            c_ds = reference.counts[rows]  # [R', n] (DeepSeek's: `fresh_reference`)
+            c_ds = reference.counts[rows]  # [R', n] (DeepSeek's: `solve.fresh_packing`)
             ch = np.flatnonzero((counts_of(moved, n) != c_ds).any(1))  # rows whose counts change
             if ch.size:  # (`transition` keeps a row at its counts as it is)
                 moved[ch] = transition(wr[ch], moved[ch], c_ds[ch], m)
