@@ -23,6 +23,9 @@ PLANS=${PLANS:?set PLANS to the folder of plans made by issue29.py --plan-only}
 SHARED=${SHARED:-$( [ -d ../shared/traces/npy ] && echo ../shared/traces/npy || echo shared/traces/npy )}
 MODEL=${MODEL:-deepseek-v3}
 PY=${PYTHON:-python3}
+# prefill rows at EP 256 time GEMMs of millions of rows: without expandable segments one ran
+# out of memory on an H100 with 13 GiB free but fragmented (benchmarks/README.md, 2026-12-06)
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 [ $# -gt 0 ] || { echo "usage: OUT=... PLANS=... bash $0 EP:PRESET:TRACE[:SECONDS[:EXTRA]] ..." >&2; exit 2; }
 cd "$(dirname "$0")/.."
 WORK=$(mktemp -d)

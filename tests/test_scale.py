@@ -326,6 +326,25 @@ def test_gpu_cost_mechanics_on_cpu():
         c.measure([1] * 5)
 
 
+def test_gpu_cost_out_of_memory_says_what_was_timed_and_what_helps(monkeypatch):
+    """A GEMM too large for the GPU's free memory fails with the work it timed and the
+    allocator setting that let such a row run (the out-of-memory error is raised by hand:
+    a CPU run cannot run out of CUDA memory)."""
+    import torch
+    from eplb.ops.gpu_cost import GpuGemmCost
+    c = GpuGemmCost(TINY, max_slots=4, max_tokens=256, device="cpu", bucket=4, reps=1)
+
+    def short(key, reps=None):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 18.56 GiB.")
+    monkeypatch.setattr(c, "_time", short)
+    with pytest.raises(torch.OutOfMemoryError) as err:
+        c.measure([7, 30, 0, 2])
+    msg = str(err.value)
+    # 3 slots with tokens, rounded up to 4 each: 32 + 8 + 4 = 44 rows
+    assert "3 slots with 44 tokens" in msg and "expandable_segments:True" in msg and "18.56 GiB" in msg
+    assert (32, 8, 4) not in c.cache  # nothing cached for the work that failed
+
+
 def _swiglu_fp32(c, key):
     """Each slot's down(silu(gate(x)) * up(x)) on its own token rows of `c.x`, written out in
     fp32 from `c`'s weights (independent of `GpuGemmCost.gemm`) -> [(slot rows [n, H])]."""

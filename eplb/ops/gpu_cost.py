@@ -162,7 +162,7 @@ class GpuGemmCost:
             rows = max(sum(key), 2 * self.x.shape[0])
             self.x = None  # free the old buffer first: at prefill sizes it is gigabytes
             self.x = self._tokens(rows)
-        self.cache[key] = t = self._time(key)
+        self.cache[key] = t = self._time_explained(key)
         self.runs += 1
         self._rows.append(features(np.asarray(key, dtype=np.float64)))
         self._times.append(t)
@@ -196,6 +196,21 @@ class GpuGemmCost:
             gate, up = gate_up.chunk(2, dim=-1)
             return torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
         return run
+
+    def _time_explained(self, key: tuple[int, ...], reps: int | None = None) -> float:
+        """`_time(key, reps)`, with a CUDA out-of-memory error that says what was timed and
+        what helps. A prefill GEMM of the hottest GPU at EP 256 needs tens of GiB of
+        activations; on an 80 GiB H100 one failed with 13 GiB held by the allocator in
+        fragmented blocks, and ran with `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`
+        (benchmarks/README.md, issue 29, 2026-12-06 (tenth))."""
+        try:
+            return self._time(key, reps)
+        except torch.OutOfMemoryError as e:
+            raise torch.OutOfMemoryError(
+                f"timing the grouped GEMM of {len(key)} slots with {sum(key)} tokens on {self.device} "
+                "ran out of GPU memory; start the process with "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation), or use a GPU "
+                f"with more memory. {e}") from e
 
     def _time(self, key: tuple[int, ...], reps: int | None = None) -> float:
         """Seconds of `gemm(key)`: over a CUDA graph on CUDA (`_time_graph`), else the
@@ -282,7 +297,7 @@ class GpuGemmCost:
         times: dict[tuple[int, ...], list[float]] = {k: [] for k in keys}
         for _ in range(rounds):
             for i in rng.permutation(len(keys)):
-                times[keys[i]].append(self._time(keys[i], reps))
+                times[keys[i]].append(self._time_explained(keys[i], reps))
                 if progress:
                     progress()
         self.rounds = times
