@@ -194,7 +194,7 @@ def main() -> None:
         for i, (model, specs) in enumerate(pack_calls(out, a.calls), 1):
             total = sum(int(x.split(":")[3]) for x in specs)
             print(f"# call {i}: {len(specs)} rows, limits {total} s\n"
-                  f"OUT=$OUT/c{i} PLANS=.devplans/all SHARED=.devshared/traces/npy MODEL={model} "
+                  f"OUT=$OUT/c{i} PLANS={a.plans} SHARED={a.shared} MODEL={model} "
                   f"taskset -c 4-15 bash benchmarks/issue29_gpu_rows.sh {' '.join(specs)}")
     if a.json:
         a.json.write_text(json.dumps({"per_gemm": a.per_gemm, "cpu_factor": a.cpu_factor, "rows": out}, indent=1))
