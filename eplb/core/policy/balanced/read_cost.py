@@ -39,8 +39,9 @@ def layer_cost(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, read
     counts, when known."""
     c = counts_of(p2l, w.shape[1]) if counts is None else counts  # [L, n]
     cost, lam = per_slot(expert_tokens(w, step_choices), c, read_tokens, tile_rows)  # [L, n]
-    r = np.arange(len(p2l))[:, None]
-    return Reference(gpu_sums(cost[r, p2l], m).max(1), gpu_sums(lam[r, p2l], m).max(1), c, cost, lam)
+    at = p2l + np.arange(len(p2l))[:, None] * w.shape[1]  # [L, P] each slot's entry of the flat [L, n] arrays
+    return Reference(gpu_sums(cost.ravel().take(at), m).max(1), gpu_sums(lam.ravel().take(at), m).max(1),
+                     c, cost, lam)
 
 
 def expert_tokens(w: np.ndarray, step_choices: float) -> np.ndarray:
@@ -57,7 +58,7 @@ def expected_tiles(lam: np.ndarray, tile_rows: float) -> np.ndarray:
     approximation of the Poisson tail (with continuity correction), close where it matters
     (lam near a multiple of tile_rows, tens of tokens or more); terms more than `_TAIL`
     standard deviations away are 1 or 0, so only the few in between are computed."""
-    out = np.negative(lam)
+    out = np.negative(lam, order="C")  # (C order: `reshape(-1)` below is a view)
     np.expm1(out, out=out)
     np.negative(out, out=out)  # P(X >= 1)
     if tile_rows <= 0 or lam.size == 0:
@@ -66,7 +67,7 @@ def expected_tiles(lam: np.ndarray, tile_rows: float) -> np.ndarray:
     # on the few slots near or above the root of that sum (a tenth below it, for rounding)
     root = (np.sqrt(_TAIL ** 2 / 4 + tile_rows - 0.5) - _TAIL / 2) ** 2
     i = np.flatnonzero(lam >= 0.9 * root)
-    li = lam.flat[i]
+    li = lam.reshape(-1)[i]  # (1-D fancy indexing: 2x faster than `.flat`)
     si = np.sqrt(li)
     near = li + _TAIL * si + 0.5 >= tile_rows
     if not near.all():
@@ -77,10 +78,10 @@ def expected_tiles(lam: np.ndarray, tile_rows: float) -> np.ndarray:
     last = np.floor((li + _TAIL * si) / tile_rows)  # [K] last k not surely 0
     extra = first - 1  # the terms that are 1
     for j in range(int((last - first).max()) + 1):
-        k = first + j
-        on = k <= last
-        extra += np.where(on, 0.5 * erfc((k * tile_rows + 0.5 - li) / (np.sqrt(2.0) * np.maximum(si, 1e-12))), 0.0)
-    out.flat[i] += extra
+        on = np.flatnonzero(first + j <= last)  # the slots with a j-th term in between
+        k, lo, so = first[on] + j, li[on], si[on]
+        extra[on] += 0.5 * erfc((k * tile_rows + 0.5 - lo) / (np.sqrt(2.0) * np.maximum(so, 1e-12)))
+    out.reshape(-1)[i] += extra
     return out
 
 
