@@ -287,7 +287,8 @@ def swap_down(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int, n: 
         torch.maximum(top, d, out=top)  # the pair's larger GPU tokens after the swap
         top.sub_(torch.from_numpy(cap[act])[:, None, None, None])  # above the row's cap: priced (or excluded)
         top.clamp_(min=0.0)
-        top.mul_(price)
+        if price != 1.0:  # (the catch-up's price: x 1 changes no bit)
+            top.mul_(price)
         score.add_(top)
         score = score.numpy().reshape(A, -1)  # [A, m * s * s]
         best = score.argmin(1)  # [A] first of the ties: deterministic
