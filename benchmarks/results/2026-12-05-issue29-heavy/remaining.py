@@ -7,10 +7,12 @@ row on the older plans: it runs again on the new ones. Limits: as there, or 1.5 
 wall time of the H100 row + 30 s. Order: the forecast on the H100 fit with the largest
 group (forecast.md), else the ratio the older list gave. The configurations the check did
 not change have the same default plans in both folders: their H100 rows stand. Rows
-already scored on these plans (`gpu-h1`, `s7-*` ... `s10-*`: a row with options counts
+already scored on these plans (`gpu-h1`, `s7-*` ... `s11-*`: a row with options counts
 only with the same options) are left out; Qwen3-235B steady prefill at EP 16 and 8 is
 listed once more with `--retime=5`. Since 2026-12-06 (tenth): also the changed
-configurations with no H100 row on the older plans (`missing`).
+configurations with no H100 row on the older plans (`missing`). It lists the rows of
+those two kinds only: coverage.py checks every configuration of the grid (2026-12-06,
+eleventh: 24 more were found and run).
 
     python benchmarks/results/2026-12-05-issue29-heavy/remaining.py > benchmarks/results/2026-12-05-issue29-heavy/remaining.md
 """
@@ -107,7 +109,7 @@ LINE = re.compile(r"^(\S+) rc 0 .*? (qwen3-235b|deepseek-v3) .*default/deepseek 
 
 def scored() -> set:
     """(model, row name) of the rows scored on these plans: every `rows.log` line with a
-    ratio of gpu-h1 and of the later sessions' calls (s7-*, s8-*)."""
+    ratio of gpu-h1 and of the later sessions' calls (s7-* ... s11-*)."""
     out = set()
     for log in [HERE / "gpu-h1" / "rows.log", *sorted(HERE.glob("s[0-9]*-*/rows.log"))]:
         for line in log.read_text().splitlines():
