@@ -101,8 +101,9 @@ def same_plans(row: dict, per_rebalance: float, total, decimals: int) -> bool:
     return total is None or int(row["moves_total"]) == int(total)
 
 
-def main() -> None:
-    an = grid()
+def sort_rows(an: dict) -> tuple[dict, dict]:
+    """key -> [(order, where, default/deepseek, retimed, oracle figures)] of its GPU rows on
+    the current plans, and key -> how many of its rows are on other plans."""
     on, other = {}, {}
     for order, where, key, dd, retimed, mv, total, oracle in list(h200_rows()) + list(h100_rows()):
         if key not in an:
@@ -111,6 +112,20 @@ def main() -> None:
             on.setdefault(key, []).append((order, where, dd, retimed, oracle))
         else:
             other[key] = other.get(key, 0) + 1
+    return on, other
+
+
+def uncovered() -> list:
+    """The configurations of the grid without a GPU row on the current plans (remaining.py
+    lists them, whatever its own rules say)."""
+    an = grid()
+    on, _ = sort_rows(an)
+    return sorted(k for k in an if k not in on)
+
+
+def main() -> None:
+    an = grid()
+    on, other = sort_rows(an)
     print("| model | trace | EP | preset | analytic | GPU rows on the current plans (r: re-timed) | other plans | figure |")
     print("|---|---|---|---|---|---|---|---|")
     figures, missing, h200, oracles = {}, [], 0, {}
