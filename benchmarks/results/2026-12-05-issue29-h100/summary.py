@@ -60,29 +60,37 @@ def forecast():
             if not any(f.startswith("--retime") for f in flags)}
 
 
-def earlier_gpu():
-    """(model, trace, ep, preset) -> (date, ratio, file) of the latest H200 figure."""
-    out = {}
+def gpu_docs(skip=()):
+    """(file, doc) of every `cost: gpu` issue29.json under benchmarks/results/*issue29*
+    (files, and those inside `rows.tgz` archives), outside the folders `skip`."""
     for f in sorted(RESULTS.glob("*issue29*/**/*")):
-        if HERE in f.parents:
+        if any(s in f.parents for s in skip):
             continue
-        docs = []
         try:
             if f.suffix == ".json":
                 docs = [json.loads(f.read_text())]
             elif f.name.endswith(".tgz"):
                 with tarfile.open(f) as t:
                     docs = [json.load(t.extractfile(m)) for m in t.getmembers() if m.name.endswith("issue29.json")]
+            else:
+                continue
         except (OSError, ValueError, tarfile.TarError):
             continue
         for d in docs:
-            if not isinstance(d, dict) or d.get("cost") != "gpu":
-                continue
-            for r in d.get("rows", []):
-                if all(k in r for k in ("model", "trace", "ep", "preset", "default/deepseek")):
-                    key = (r["model"], r["trace"], r["ep"], r["preset"])
-                    if key not in out or (d.get("date") or "") >= out[key][0]:
-                        out[key] = (d.get("date") or "?", r["default/deepseek"], str(f.relative_to(RESULTS)))
+            if isinstance(d, dict) and d.get("cost") == "gpu":
+                yield f, d
+
+
+def earlier_gpu():
+    """(model, trace, ep, preset) -> (date, ratio, file) of the latest H200 figure (the H100
+    rows of this folder and of the later ../2026-12-05-issue29-heavy left out)."""
+    out = {}
+    for f, d in gpu_docs((HERE, RESULTS / "2026-12-05-issue29-heavy")):
+        for r in d.get("rows", []):
+            if all(k in r for k in ("model", "trace", "ep", "preset", "default/deepseek")):
+                key = (r["model"], r["trace"], r["ep"], r["preset"])
+                if key not in out or (d.get("date") or "") >= out[key][0]:
+                    out[key] = (d.get("date") or "?", r["default/deepseek"], str(f.relative_to(RESULTS)))
     return out
 
 

@@ -23,7 +23,6 @@ timings (it takes out the GPU's drift over minutes). Run from the repository roo
 import json
 import re
 import sys
-import tarfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -31,6 +30,7 @@ RESULTS = HERE.parent
 BEFORE = RESULTS / "2026-12-05-issue29-h100"
 sys.path.insert(0, str(BEFORE))
 
+import summary  # noqa: E402  (../2026-12-05-issue29-h100's)
 from summary import LINE  # noqa: E402  (the row line of issue29_gpu_rows.sh)
 
 TOTAL = re.compile(r"in all (\d+), no shift")
@@ -70,28 +70,15 @@ def h100_rows():
 
 def h200_rows():
     """The same for each row of an H200 `issue29.json` (ordered by its date)."""
-    for f in sorted(RESULTS.glob("*issue29*/**/*")):
-        if HERE in f.parents or BEFORE in f.parents:
+    for f, d in summary.gpu_docs((HERE, BEFORE)):
+        if d.get("counts", "expected") != "expected":
             continue
-        try:
-            if f.suffix == ".json":
-                docs = [json.loads(f.read_text())]
-            elif f.name.endswith(".tgz"):
-                with tarfile.open(f) as t:
-                    docs = [json.load(t.extractfile(m)) for m in t.getmembers() if m.name.endswith("issue29.json")]
-            else:
-                continue
-        except (OSError, ValueError, tarfile.TarError):
-            continue
-        for d in docs:
-            if not isinstance(d, dict) or d.get("cost") != "gpu" or d.get("counts", "expected") != "expected":
-                continue
-            for r in d.get("rows", []):
-                if "moves_per_rebalance" in r and "default/deepseek" in r:
-                    key = (r["model"], r["trace"], r["ep"], r["preset"])
-                    yield ((0, d.get("date") or "", str(f)), f"H200 {f.relative_to(RESULTS)}", key, r["default/deepseek"],
-                           bool(d.get("retime_rounds")), r["moves_per_rebalance"], r.get("moves_total"),
-                           (r.get("default/oracle"), r.get("noshift/oracle")))
+        for r in d.get("rows", []):
+            if "moves_per_rebalance" in r and "default/deepseek" in r:
+                key = (r["model"], r["trace"], r["ep"], r["preset"])
+                yield ((0, d.get("date") or "", str(f)), f"H200 {f.relative_to(RESULTS)}", key, r["default/deepseek"],
+                       bool(d.get("retime_rounds")), r["moves_per_rebalance"], r.get("moves_total"),
+                       (r.get("default/oracle"), r.get("noshift/oracle")))
 
 
 def same_plans(row: dict, per_rebalance: float, total, decimals: int) -> bool:
