@@ -42,7 +42,7 @@ from eplb.core.policy.base import DEFAULT_TILE_ROWS
 from eplb.core.policy.balanced.moves import align, transition
 from eplb.core.policy.balanced.read_cost import Reference, expert_tokens, slot_figures
 from eplb.core.policy.balanced.refinement import improve_max
-from eplb.core.policy.balanced.rows import REL_EPS, counts_of, gpu_sums, max_load, presence
+from eplb.core.policy.balanced.rows import REL_EPS, counts_of, gpu_sums, max_load, presence, take
 
 WARM_TOKENS = 8.0  # a slot expecting this many tokens per step is empty with p < 0.04%
 # a row costlier than the fresh reference catches up with it pricing a token more on its
@@ -204,11 +204,10 @@ def objective(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int,
     tokens [R, n]: one slot's of each expert), plus `dispatch_tokens` x how far their
     busiest GPU's tokens exceed `base_tokens [R]` (those of the plan before the pass; inf
     when they exceed them and dispatch_tokens is inf)."""
-    r = np.arange(p2l.shape[0])[:, None]
-    out = gpu_sums(cost[r, p2l], m).max(1)
+    out = gpu_sums(take(cost, p2l), m).max(1)
     if base_tokens is None:
         return out
-    rise = gpu_sums(tokens[r, p2l], m).max(1) - base_tokens * (1 + REL_EPS)
+    rise = gpu_sums(take(tokens, p2l), m).max(1) - base_tokens * (1 + REL_EPS)
     if np.isinf(dispatch_tokens):
         return np.where(rise > 0, np.inf, out)
     return out + dispatch_tokens * np.maximum(rise, 0.0)
@@ -234,9 +233,8 @@ def swap_down(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int, n: 
     if R == 0 or s == 0:
         return p2l
     p2l = p2l.copy()
-    r = np.arange(R)
-    x = cost[r[:, None], p2l].reshape(R, m, s)  # [R, m, s] cost per slot
-    t = tokens[r[:, None], p2l].reshape(R, m, s)  # [R, m, s] tokens per slot
+    x = take(cost, p2l).reshape(R, m, s)  # [R, m, s] cost per slot
+    t = take(tokens, p2l).reshape(R, m, s)  # [R, m, s] tokens per slot
     load, tok = x.sum(2), t.sum(2)  # [R, m]
     cap = (tok.max(1) if cap is None else np.maximum(cap, 0.0)) * (1 + REL_EPS)  # [R] no GPU may end above
     stop = np.zeros(R) if target is None else target * (1 + REL_EPS)  # [R]
@@ -245,7 +243,7 @@ def swap_down(cost: np.ndarray, tokens: np.ndarray, p2l: np.ndarray, m: int, n: 
     on_f = on.reshape(-1)  # a view: GPU g of row r holds expert e at (r * m + g) * n + e
     gpus = np.arange(m)
     e3 = p2l.reshape(R, m, s)  # [R, m, s] a view: swaps below update p2l
-    act = r  # rows still gaining
+    act = np.arange(R)  # rows still gaining
     # the [A, m, s_h, s_g] work arrays, allocated once (allocating them each iteration took
     # most of the time); an excluded swap scores about EXCLUDED or more instead of inf, so
     # the exclusions are sums, not masks (masked writes are slow). The arithmetic on them
