@@ -76,3 +76,12 @@ def test_hf_throughput_cpu_mode_matches_the_original(tmp_path):
     assert event["outcome"] == "success" and event["experts_moved"] > 0, event
     assert res["ep-eplb"]["balancedness"] > res["ep-static"]["balancedness"]
     assert "HF_JSON " in r.stdout
+
+
+def test_every_diagnostic_script_is_in_the_diag_index():
+    """benchmarks/diag/README.md says what question each one-off script answered and where its
+    record is: a script missing there is a script nobody can place."""
+    diag = ROOT / "benchmarks" / "diag"
+    index = (diag / "README.md").read_text()
+    missing = sorted(p.name for p in diag.glob("*.py") if f"| `{p.name}` |" not in index)
+    assert not missing, f"add a row for these to benchmarks/diag/README.md: {missing}"
