@@ -179,7 +179,7 @@ def build() -> dict:
     reb = timeseries(
         "Rebalances",
         "Rebalances finished in each bar's interval ($window or wider on long time ranges), "
-        "by trigger (interval, request, api, initial, shift) and outcome (success, failure, skipped).",
+        "by trigger (interval, request, api, initial, shift, resize) and outcome (success, failure, skipped).",
         [target(f"sum by (trigger, outcome) (increase(eplb_rebalances_total{{{SEL}}}[$__interval])) > 0",
                 "{{trigger}} / {{outcome}}")],
         "none", bars=True, stack=True, min_=0, decimals=0)

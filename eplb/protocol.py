@@ -69,7 +69,14 @@ class MixtureOfExperts(Protocol):
     def update_physical_experts_metadata(
         self, num_physical_experts: int, num_local_physical_experts: int
     ) -> None:
-        """Tell the model that the number of slots changed (elastic resize)."""
+        """Tell the model that the number of slots changed (elastic resize).
+
+        `eplb.runtime.resize` calls it as `(P, S, reallocate=True)` on every rank of the
+        new group, so a model that resizes must accept that keyword (a model that never
+        resizes may raise). With it the model records the new P, S and
+        num_redundant_experts = P - N, gives every layer fresh `[S, ...]` slot tensors (new
+        storage: the resize still reads the old ones while it fills the new) and lists them
+        in `expert_weights` before it returns. A new runtime then calls `set_eplb_state`."""
         ...
 
 
@@ -86,9 +93,12 @@ class SupportsReplicaWeights(Protocol):
     split is cdf[r] = (r + 1) / count.
 
     Like the other maps, the tensor is runtime-owned and only ever rewritten in place
-    (`copy_`); the runtime calls this method once, right after `set_eplb_state`, and a
-    model should keep (views of) the tensor, not a copy. A later `set_eplb_state` call
-    may drop the registration; the runtime then registers the tensor again.
+    (`copy_`), and a model should keep (views of) the tensor, not a copy. The runtime
+    passes it only while routing may need it (`EplbConfig.weighted_replicas`, or the
+    placement in force or about to be applied has uneven shares), and passes None to
+    switch it off: the model then splits every expert's tokens evenly. So the method
+    must accept None. The runtime calls it only after `set_eplb_state`, which may drop
+    the registration (a new runtime registers the tensor again when it needs it).
 
     A model without this method keeps splitting evenly; the runtime then warns once
     when it applies a placement with uneven shares, and the balance that placement

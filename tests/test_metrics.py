@@ -405,3 +405,36 @@ def test_real_skipped_rebalance_is_counted_as_skipped():
         event.balancedness_before.mean())
     assert v("eplb_rebalance_balancedness_ratio", when="after") == pytest.approx(
         event.balancedness_after.mean())
+
+
+def _runtime_triggers() -> set[str]:
+    """Every trigger name the runtime can give a rebalance, read from its source: string
+    literals passed to `_start(...)` or as `trigger=...`, and `trigger` parameters' defaults."""
+    import ast
+    import pathlib
+
+    found = set()
+    for path in (pathlib.Path(__file__).resolve().parents[1] / "eplb" / "runtime").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                args = node.args[:1] if func == "_start" else []
+                args += [k.value for k in node.keywords if k.arg == "trigger"]
+                found.update(a.value for a in args if isinstance(a, ast.Constant) and isinstance(a.value, str))
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                pos = a.posonlyargs + a.args
+                named = list(zip(pos[len(pos) - len(a.defaults):], a.defaults)) + list(zip(a.kwonlyargs, a.kw_defaults))
+                found.update(d.value for arg, d in named
+                             if arg.arg == "trigger" and isinstance(d, ast.Constant) and isinstance(d.value, str))
+    return found
+
+
+def test_every_runtime_trigger_has_a_zero_initialised_series():
+    """eplb_rebalances_total starts every (trigger, outcome) at 0 so rate() works from the first
+    scrape: each trigger the runtime can give an event (resize's included) must be in TRIGGERS."""
+    from eplb.ops.metrics import TRIGGERS
+
+    found = _runtime_triggers()
+    assert {"interval", "request", "api", "initial", "shift", "resize"} <= found, found  # the reader sees them
+    assert found <= set(TRIGGERS), f"triggers without a zero-initialised series: {sorted(found - set(TRIGGERS))}"

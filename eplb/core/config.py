@@ -38,7 +38,8 @@ class EplbConfig:
     policy: str = "default"
     """Planner name, see `eplb.core.policy.registry.available_policies()`."""
     num_nodes: int | None = None
-    """Nodes the EP ranks span; None = read from torchrun's environment."""
+    """Nodes the EP ranks span; None = the EP group's size / torchrun's LOCAL_WORLD_SIZE
+    (1 when that does not divide). A value that does not divide the EP ranks plans as 1."""
     initial_placement: str | None = None
     """Optional placement file (.json/.npy/.pt) to move to when the runtime starts."""
     load_decay: float = 1.0
@@ -121,8 +122,10 @@ class EplbConfig:
     weighted_replicas: bool = False
     """Let the planner give replicas unequal shares of their expert's tokens."""
     control_interval: int = 10
-    """Every this many steps the ranks agree (one-int all-reduce on a CPU group) whether
-    anyone asked for a rebalance (`request_rebalance()`, HTTP); 0 = never check."""
+    """Every this many steps the ranks agree whether anyone asked for a rebalance
+    (`request_rebalance()`, HTTP): one MAX all-reduce of three ints on a CPU group, which
+    also checks that every rank ran the same number of forwards. The same steps check for
+    a load shift (`shift_threshold`). 0 = never check."""
     verify_transfers: bool = False
     """After each layer's weight transfer, compare per-slot checksums of all replicas with
     the pre-transfer checksum of their expert (one all_gather per changed layer); a
@@ -155,8 +158,9 @@ class EplbConfig:
     "ipc", which launches no kernel of a process group)."""
     transfer_timeout: float = 300.0
     """Seconds a rebalance waits for a peer (or for its own transfer to make progress)
-    before it counts the rebalance as failed; a rank that died or stopped answering is
-    detected within about twice this."""
+    before it counts the rebalance as failed; a rank that stopped answering is detected
+    within about three times this (its peers sit out this timeout in the transfer, then
+    twice this in the step agreement); a rank that died is usually seen at once."""
 
     def verify(self, num_logical_experts: int, num_gpus: int,
                num_physical_experts: int | None = None) -> "EplbConfig":
@@ -250,7 +254,8 @@ class EplbConfig:
 
 
 def nodes_from_env(world_size: int) -> int:
-    """Number of nodes from torchrun's variables (WORLD_SIZE / LOCAL_WORLD_SIZE), else 1."""
+    """Number of nodes: `world_size` (the EP group's size) / torchrun's LOCAL_WORLD_SIZE;
+    1 when LOCAL_WORLD_SIZE is unset or does not divide it."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if not local or not local.isdigit() or int(local) < 1:
         return 1

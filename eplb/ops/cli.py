@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "0 = one read per slot with tokens)")
     sm.add_argument("--min-gain", type=_float("--min-gain"), default=EplbConfig.min_gain, metavar="G",
                     help=f"skip a rebalance whose plan raises the window's predicted balancedness "
-                         f"by less than G (default {EplbConfig.min_gain}, as EplbConfig; 0 = never)")
+                         f"by less than G (default {EplbConfig.min_gain}, as EplbConfig; 0 = any change moves)")
     sm.add_argument("--aggregate", type=_positive("--aggregate"), default=1, metavar="A",
                     help="first sum every A consecutive trace entries into one step (default 1)")
     sm.add_argument("--start", type=_positive("--start"), default=None,

@@ -52,7 +52,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="default", help="planner (default: default)")
     p.add_argument("--min-gain", type=float, default=EplbConfig.min_gain, metavar="G",
                    help="skip a rebalance whose plan raises the predicted balancedness by less "
-                        f"than G (default {EplbConfig.min_gain}; 0 = never skip)")
+                        f"than G (default {EplbConfig.min_gain}; 0 = any change moves)")
     p.add_argument("--load-decay", type=float, default=EplbConfig.load_decay, metavar="D",
                    help="weight of a step k steps older than the newest in the window: D**k "
                         f"(default {EplbConfig.load_decay:g} = plain sum)")

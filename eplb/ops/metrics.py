@@ -33,7 +33,7 @@ Metric names (stable; the Grafana dashboard and alerting rules depend on them):
                                                   layers) per step, mean over last interval
     eplb_gpu_layer_load_tokens{layer,gpu}         opt-in (per_layer_gpu_load=True): the same
                                                   per layer, L x M series
-    eplb_rebalances_total{trigger,outcome}        trigger interval|request|api|initial|shift
+    eplb_rebalances_total{trigger,outcome}        trigger interval|request|api|initial|shift|resize
                                                   (HTTP requests count as "request"),
                                                   outcome success|failure|skipped (skipped:
                                                   the predicted gain was below min_gain, no
@@ -80,7 +80,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("eplb.ops.metrics")
 
-TRIGGERS = ("interval", "request", "api", "initial", "shift")
+TRIGGERS = ("interval", "request", "api", "initial", "shift", "resize")
 OUTCOMES = ("success", "failure", "skipped")
 PHASES = ("plan", "transfer", "commit", "total")
 WHEN = ("before", "after")
@@ -126,8 +126,8 @@ class EplbMetrics:
             "eplb_gpu_load_tokens", "Token-expert assignments routed to a GPU per step (summed "
             "over layers), averaged over the last metrics interval.", ["gpu"], registry=r)
         self.rebalances = Counter(
-            "eplb_rebalances_total", "Rebalances by trigger (interval, request, api, initial, shift) "
-            "and outcome (success, failure, skipped).", ["trigger", "outcome"], registry=r)
+            "eplb_rebalances_total", "Rebalances by trigger (interval, request, api, initial, shift, "
+            "resize) and outcome (success, failure, skipped).", ["trigger", "outcome"], registry=r)
         self.duration = Histogram(
             "eplb_rebalance_duration_seconds", "Duration of successful rebalances by phase "
             "(plan, transfer, commit, total).", ["phase"], buckets=DURATION_BUCKETS, registry=r)
