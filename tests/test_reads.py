@@ -174,6 +174,27 @@ def test_dispatch_tokens_price_the_busiest_gpu_tokens(seed):
     assert costs[0.0].sum() <= costs[float("inf")].sum() + 1e-9
 
 
+@pytest.mark.parametrize("M,P", [(8, 72), (16, 80)])
+def test_dispatch_tokens_inf_holds_in_the_catch_up(M, P):
+    """With tiles (tile_rows > 0) a global layer costlier than the fresh reference catches up
+    with it, and may raise its busiest GPU's tokens at CATCH_UP_DISPATCH_TOKENS per token;
+    with `dispatch_tokens` inf it never raises them (computed here by loops), from scratch
+    or from a previous placement. (Once the catch-up priced them at min(inf, 1) = 1: 313
+    GPU-token rises over these loads.)"""
+    load = _loads(7)
+    rises, moved = 0, 0
+    for tok in (2, 16):
+        choices = M * tok * 8.0
+        for prev in (None, plan(load * np.random.default_rng(7).uniform(0.5, 1.5, load.shape), M, P)):
+            base = plan(load, M, P, previous=prev, step_choices=choices).physical_to_logical
+            aware = plan(load, M, P, previous=prev, read_tokens=100.0, step_choices=choices, tile_rows=128.0,
+                         dispatch_tokens=float("inf")).physical_to_logical
+            rises += int((_gpu_tokens(load, aware, M, choices) > _gpu_tokens(load, base, M, choices) * (1 + 1e-9)).sum())
+            moved += int((aware != base).any(1).sum())
+    assert rises == 0
+    assert moved > 0  # the pass did act on these loads
+
+
 def test_a_free_dispatch_lets_the_pass_raise_tokens_somewhere():
     """The price is not dead code: over a few loads, D = 0 raises the busiest GPU's tokens
     in some layer (to cut reads), which D = inf never does."""

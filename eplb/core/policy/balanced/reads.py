@@ -19,9 +19,10 @@ dispatch and combine all-to-all, which reads do not enter: raising the row's bus
 tokens by one costs `dispatch_tokens` (inf: the pass never raises them), so the pass does
 not make the exchange slower by more than it makes the GEMMs faster. A row keeps the
 result only when this objective (`objective`) falls by more than `min_gain` (relative):
-each swap is two copies. With `tile_rows` 0 and every slot expecting at least
-`WARM_TOKENS` tokens per step the read term is the same on every GPU (every slot reads
-once) and the pass does nothing.
+each swap is two copies. A row whose every slot expects at least `WARM_TOKENS` tokens per
+step is left to the token balance, tiles or not (with `tile_rows` 0 every such slot reads
+once, the same on every GPU; with tiles only rounding differs): only the catch-up below
+looks at it.
 
 Kept layouts keep the replica counts they started from (those of the start-up placement
 at first), which token balance cannot tell apart and reads can: a row costlier than a
@@ -66,7 +67,9 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     and layer over all GPUs (tokens x top_k); read_tokens: the cost of one weight read in
     tokens; tile_rows: the rows of one GEMM tile, each of which reads the weights again
     (0: one read per non-empty slot). Rows are improved by swaps when that lowers their
-    largest GPU cost by more than `min_gain` (relative).
+    largest GPU cost by more than `min_gain` (relative). dispatch_tokens: the price of one
+    more token on a row's busiest GPU (inf here, never raised; the planner passes
+    `PolicyOptions.dispatch_tokens`, 40 by default).
 
     reference: the cost of a fresh plan of each layer (`solve.fresh_packing`,
     `read_cost.layer_cost`): its largest GPU cost and busiest GPU's tokens [L], its replica counts (DeepSeek's: the
@@ -151,8 +154,8 @@ def spread_reads(w: np.ndarray, p2l: np.ndarray, m: int, step_choices: float, re
     rows = np.nonzero(over)[0]
     if rows.size:
         # the busiest GPU's tokens may rise to the reference's, then at the lower of the two
-        # prices; dispatch_tokens inf: never
-        price = min(dispatch_tokens, CATCH_UP_DISPATCH_TOKENS)
+        # prices; dispatch_tokens inf: never (inf stays inf: the min of the two would be 1)
+        price = dispatch_tokens if np.isinf(dispatch_tokens) else min(dispatch_tokens, CATCH_UP_DISPATCH_TOKENS)
         cap = base_tok[rows] if np.isinf(price) else np.maximum(base_tok[rows], ref_tok[rows])  # [R']
         target = ref_cost[rows]  # [R']
         cands = [p2l[rows]]
