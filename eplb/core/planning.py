@@ -148,8 +148,9 @@ class ShiftState:
     measures what the runtime does.
 
     A gap is `predicted - measured`: the balancedness (mean over layers of mean/max GPU
-    load) the plan in force expected on its own window, minus what it gives on the load
-    recorded since. On a steady load the gap has two parts: the load varying from one
+    load) the plan in force expected on the load it planned on (its window, with the
+    remembered steady windows or the drift trend where those were used), minus what it
+    gives on the load recorded since. On a steady load the gap has two parts: the load varying from one
     window to the next (a plan fits its window a little, more so at high EP), and the
     routing noise of the tokens measured (`sampling_gap`: large for a check on few
     tokens, small on many). `noise` keeps the first part, the gap minus its routing

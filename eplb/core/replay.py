@@ -35,7 +35,7 @@ class RebalanceRecord:
     local_copies: int  # changed slots filled from an expert already on the same GPU
     bytes_moved: int | None  # experts_moved * bytes_per_expert, if given
     seconds_plan: float
-    predicted: float  # in-sample imbalance: the planning window's load on the placement in force after
+    predicted: float  # in-sample imbalance on the load planned on (window, + memory / trend), placement after
     predicted_gain: float = 0.0  # balancedness of the plan minus the placement in force, on the window
     skipped: bool = False  # the plan gained less than min_gain: nothing moved
     shifted: bool = False  # a load shift was detected: planned with move tolerance 0
@@ -171,7 +171,10 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
     `steady_windows`: shift-aware, a scheduled plan on a steady load (no shift, no drift)
     plans on its window plus up to that many windows of the earlier steady plans
     (`planning.SteadyMemory`, as the runtime's `EplbConfig.steady_windows`); 0: its
-    window alone.
+    window alone. One difference: the runtime also requires the window to share no step
+    with the last plan's (`LoadRecorder.window_is_new`), so after an early rebalance less
+    than a window before a scheduled one, the runtime plans that scheduled one on its
+    window alone where the replay may add the remembered ones.
 
     `drift_trend`: shift-aware, a scheduled plan (not after a shift) whose window the last
     plan did not see plans on the window's trend in the layers where the last trend
@@ -208,7 +211,7 @@ def replay_policy(trace: np.ndarray, initial: Placement, steps: Sequence[int], w
         new = planned if move else current
         seconds = time.perf_counter() - t0
         st = transfer_stats(current.physical_to_logical, new.physical_to_logical, M, bytes_per_expert)
-        balance = new.balancedness(load)  # [L] mean / max GPU load on the window planned on
+        balance = new.balancedness(load)  # [L] mean / max GPU load on the load planned on (window + memory / trend)
         rec = RebalanceRecord(s, st.slots_changed, st.experts_moved, st.local_copies, st.bytes_moved,
                               seconds, float(np.mean(1.0 / balance)), gain, not move, shifted, early, tol,
                               int(remembered.sum()), int(on_trend.sum()))

@@ -306,7 +306,7 @@ def agree_sizes(table: np.ndarray, ranks: Sequence[int], old_ranks: Sequence[int
 
 
 def config_digest(config) -> int:
-    """63-bit digest of the EplbConfig fields every rank of the new group must share (the
+    """62-bit digest of the EplbConfig fields every rank of the new group must share (the
     slot count, node count and initial placement are set by the resize itself); 0: None."""
     if config is None:
         return 0

@@ -267,7 +267,8 @@ def scale_replay(trace: np.ndarray, shape: ModelShape, num_gpus: int, num_slots:
     time is spread (default 1000, SGLang's default rebalance period). Nodes are groups of `link.gpus_per_node`
     GPUs; the policies see them (and the model's expert groups when they fit the nodes).
     `progress()` is called after each scored step of each placement. `opts`: the runtime
-    settings the policies replay with (also those `planned` was made with, when given).
+    settings the policies replay with (also those `planned` was made with, when given),
+    except `opts.min_gain`: the `min_gain` argument replaces it.
     `counts`: how a step's token counts are drawn (`COUNTS`); Poisson draws come from a
     generator seeded with (`seed`, step), the same for every placement kind."""
     if counts not in COUNTS:

@@ -138,8 +138,8 @@ def simulate(
 ) -> SimulationResult:
     """Replay `trace [T, L, N]` under each policy; see the module docstring.
 
-    `start` is the first rebalance step (default `window`, the first step with a full
-    window behind it; at least 1). Summaries cover steps `[start, T)`: steps before it
+    `start` is the first rebalance step (default `interval`, as the runtime's first
+    scheduled rebalance; at least 1). Summaries cover steps `[start, T)`: steps before it
     run on the start-up placement under every policy. `min_gain`: as `EplbConfig.min_gain`,
     a plan that raises the window's predicted balancedness by less is not applied (a
     skipped rebalance, counted in the summary); the oracles ignore it. `oracle=False` skips
@@ -175,7 +175,7 @@ def simulate(
     start = interval if start is None else positive_int(start, "start")
     if start >= T:
         raise ValueError(f"the trace has {T} steps, so nothing is left to score after the first "
-                         f"plan at step {start} (window {window}); use a smaller window or start, "
+                         f"plan at step {start} (interval {interval}); use a smaller interval or start, "
                          f"or a longer trace")
     if isinstance(policies, str):
         policies = (policies,)

@@ -38,6 +38,9 @@ The modules, one job each:
   slot with no token in a step), and the catch-up of a layer costlier than a fresh packing
   of DeepSeek's replica counts (`solve.fresh_packing`: the from-scratch plan's first step,
   made once for both);
+- `read_cost`: the decode-aware pass's cost model (a slot's tokens plus its expected weight
+  reads, `expected_tiles`; a placement's largest GPU cost, `layer_cost`, and the fresh
+  reference's figures, `Reference`);
 - `shares`: weighted replicas (water-filling shares, and the wrap-around chain: a
   placement built so that shares can reach the mean GPU load exactly).
 
@@ -91,8 +94,8 @@ def balanced_policy(load, num_slots, num_gpus, num_nodes, num_groups, previous, 
     benchmarks/planner.py (DeepSeek from scratch: 92.1%) and is no worse out of sample
     there, and 11-16% of DeepSeek's copies in the smooth-drift replays of the ESFT tasks
     (section 7); larger values move less and accept more in-sample imbalance (see
-    benchmarks/README.md). On large problems (more than 8192 slots over all layers) the
-    step-by-step moves are skipped for time: a layer
+    benchmarks/README.md). On large problems (more than about 15,800 slots over all layers:
+    `budgets.PREV_WORK` / (R p)^2 < 1) the step-by-step moves are skipped for time: a layer
     keeps its previous placement within tolerance, else takes the relabelled plan. In
     the hierarchical case the previous group-to-node assignment is kept while its max
     node load is within the same tolerance.

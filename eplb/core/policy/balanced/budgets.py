@@ -2,11 +2,12 @@
 
 The same input gives the same plan on every machine. An improvement iteration costs a
 fixed number of passes over the R * p slots of all rows, so an iteration budget is a work
-constant divided by R * p (pair exchanges, moves from a previous placement), or by
-(R * p)^2 for the phases whose gain does not pay for their cost on large problems,
-clamped; on large problems with more than 64 rows the per-row overhead counts too
-(x R / 64). Small problems (26 layers x 80 slots: R * p = 2080) get the upper limits,
-where they have converged; DeepSeek-V3-sized ones (58 layers x 288 slots: R * p = 16704)
+constant divided by R * p (pair exchanges), or by (R * p)^2 for the phases whose gain
+does not pay for their cost on large problems (max-GPU iterations, moves from a previous
+placement), clamped; on large problems with more than 64 rows the per-row overhead counts
+too (x R / 64). Small problems (26 layers x 80 slots: R * p = 2080) get 19 pair-exchange
+iterations, 20 max-GPU iterations (the limit) and 57 move iterations, where they have
+converged; DeepSeek-V3-sized ones (58 layers x 288 slots: R * p = 16704)
 get two pair-exchange iterations (one in the hierarchical case, 232 rows) and nothing
 else. With two slots per GPU pair exchanges cannot improve on the packing and
 replica-count moves are what helps, so that case gets max-GPU iterations on the linear

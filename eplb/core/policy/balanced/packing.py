@@ -296,7 +296,8 @@ def repair_duplicates(w: np.ndarray, p2l: np.ndarray, m: int, cap_iters: int = 1
 def refill_hot(w: np.ndarray, p2l: np.ndarray, m: int, max_hot: int = 8, with_max: bool = False):
     """When one or several GPUs hold an item at least as heavy as the mean GPU load (an
     expert that cannot be split enough), the best they can do is hold the lightest items
-    of the row: give the h(s-1) lightest items to those h GPUs, heaviest item first to the
+    of the row: give the k(s-1) lightest items to k of those h GPUs (k: at most `max_hot`
+    and 32 / (s - 1), the ones with the heaviest dominating items), heaviest item first to the
     one with the lowest load (LPT over the fillers), and put their previous fillers where
     the light items were. Kept per row only if the max GPU load drops and no GPU gets two
     replicas of one expert. p2l [R, p] -> [R, p]; with `with_max` also the result's max

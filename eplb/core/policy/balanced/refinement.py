@@ -34,9 +34,10 @@ def improve_max(
       resulting replica load), or b is on g* (the slot is on one of the lightest GPUs).
 
     Swaps are scored exactly; count changes with an upper bound of the new max (GPUs
-    that get lighter are counted at their old load), so an accepted move always lowers
-    the row's max. Rows stop when no move improves or, with `target` [R], once their max
-    GPU load is at most the target. Returns (p2l [R, p], moves [R] made per row).
+    that get lighter are counted at their old load), so an accepted move never raises the
+    row's max: it lowers it, or keeps it and lowers the sum of squares (plateau swaps).
+    Rows stop when no move improves or, with `target` [R], once their max GPU load is at
+    most the target. Returns (p2l [R, p], moves [R] made per row).
 
     With `target` and `fix` (moves from a previous placement, where every changed slot is
     a copy), the moves that put no other GPU above the target come first: one that brings

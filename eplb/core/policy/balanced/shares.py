@@ -218,8 +218,8 @@ def plan_shares(w: np.ndarray, p2l: np.ndarray, m: int, nodes: int, hierarchical
                 prev: Optional[np.ndarray] = None, tol: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Shares for the placement p2l [L, P] of loads w [L, N] on m GPUs. Two candidates
     per layer: (a) p2l itself with water-filled shares, or a variant that links isolated
-    GPUs and breaks tight GPU sets (inside every node when `hierarchical`, so that
-    replicas stay on their node); (b) the wrap-around chain (`chain_shares`, per node when
+    GPUs (inside every node when `hierarchical`, so that replicas stay on their node) and,
+    in the global case, breaks tight GPU sets; (b) the wrap-around chain (`chain_shares`, per node when
     hierarchical, on p2l's assignment of groups to nodes), which reaches the mean GPU
     load exactly whenever its greedy order succeeds; it needs s >= 2 slots per GPU and
     (m / nodes)(s - 1) >= the experts of a node. The lower max GPU load wins; with a

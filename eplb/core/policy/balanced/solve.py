@@ -129,8 +129,8 @@ def count_moves(w: np.ndarray, p2l: np.ndarray, m: int, cap: int, work: int, ste
     (e.g. one replica fewer for each of two hot experts, so that no GPU holds two hot
     replicas). Candidates per row: a among the `pool` heaviest experts with two replicas
     or more, b among the `pool` experts with the heaviest replicas and the one with the
-    lightest replica after a split. A step is skipped when its candidates hold more than
-    `work` slots in all. w [R, n], p2l [R, p] -> [R, p]."""
+    lightest replica after a split. The search stops at a step whose candidates hold more
+    than `work` slots in all. w [R, n], p2l [R, p] -> [R, p]."""
     R, n = w.shape
     p = p2l.shape[1]
     out = p2l.copy()
