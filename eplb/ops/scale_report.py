@@ -54,7 +54,7 @@ def add_cost_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"GB/s per GPU across nodes (default {LinkModel.inter_GBps:g})")
     g.add_argument("--transfer-efficiency", type=float, default=LinkModel.transfer_efficiency,
                    help="rebalance moves run at this fraction of the link (default "
-                        f"{LinkModel.transfer_efficiency:g}, measured for a partial layer move)")
+                        f"{LinkModel.transfer_efficiency:g}, measured for the exchange of a partial layer move)")
     g.add_argument("--serving-steps", type=int, default=1000,
                    help="model steps one rebalance interval stands for; a rebalance's time is spread "
                         "over them (default 1000)")
