@@ -269,11 +269,15 @@ def test_exchange_error_on_every_rank_aborts_at_the_same_layer(tmp_path, mode, p
 def test_write_error_is_fatal(tmp_path, mode):
     """The victim's injected write raises when the second layer switches: EplbFatalError
     there (its layer is still old, maps matching weights), and its peers, who switched
-    it, lose it and are fatal too, within a bounded time."""
+    it, lose it and are fatal too, within a bounded time. The victim's message names that
+    layer as possibly partly rewritten and does not claim that every layer is whole."""
     results = _run(tmp_path, mode, "raise", "before_commit")
     victim = results[VICTIM]
     assert victim["outcome"] == "fatal" and victim["fired"] == 1, victim
     assert "writing layer" in victim["message"] and "InjectedFault" in victim["message"], victim
+    layer = re.search(r"writing layer (\d+) failed", victim["message"]).group(1)
+    assert f"layer {layer}'s weights may be partly rewritten (reload the model)" in victim["message"], victim
+    assert "every layer is on its old or its new placement" not in victim["message"], victim
     assert victim["switched"] == 1 and victim["maps_agree"] and victim["step_after_fatal"] == "raised"
     peers = [results[r] for r in range(WORLD) if r != VICTIM]
     for res in peers:

@@ -2,8 +2,10 @@
 ranks agree to act on them at the same step boundary.
 
 Any thread may call `RebalanceRequests.request()`; the step loop of every rank calls
-`agree()` (a one-integer all-reduce on a CPU/gloo group, so no GPU synchronisation), and
-when any rank holds a pending request all ranks rebalance at that same step.
+`agree_requested()` every `control_interval` steps while no change is in flight (one
+three-integer MAX all-reduce on a CPU/gloo group, so no GPU synchronisation, that also
+compares the ranks' forward counts), and when any rank holds a pending request all ranks
+rebalance at that same step.
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ import numpy as np
 from eplb.core.placement import Placement
 from eplb.core.transfer_plan import TransferStats
 
-__all__ = ["NO_LOAD", "ChangeStats", "EplbFatalError", "RebalanceError", "RebalanceEvent"]
+__all__ = ["NO_LOAD", "ChangeStats", "EplbFatalError", "RebalanceError", "RebalanceEvent",
+           "layers_left"]
 
 NO_LOAD = "no load recorded (the window is all zero: the model added nothing into expert_load_view)"
 
@@ -23,9 +24,23 @@ class RebalanceError(RuntimeError):
 
 
 class EplbFatalError(RebalanceError):
-    """A peer died or stopped answering during a rebalance (or a local write failed): the
-    process group can no longer be trusted. Layers are still wholly old or new on this
-    rank, but the job should exit and restart."""
+    """A peer died or stopped answering during a rebalance, or a local write failed: the
+    process group can no longer be trusted and the job should exit and restart. Layers
+    are wholly old or new on this rank, except `partly_written`: the layer whose write
+    failed (its weights may be partly rewritten, its maps are still old), or None."""
+
+    def __init__(self, *args, partly_written: int | None = None) -> None:
+        super().__init__(*args)
+        self.partly_written = partly_written
+
+
+def layers_left(error: RebalanceError) -> str:
+    """What a stopped change left on this rank, for its failure message."""
+    layer = getattr(error, "partly_written", None)
+    if layer is None:
+        return "every layer is on its old or its new placement with maps matching weights"
+    return (f"layer {layer}'s weights may be partly rewritten (reload the model); every "
+            "other layer is on its old or its new placement with maps matching weights")
 
 
 @dataclass
@@ -64,12 +79,16 @@ class ChangeStats:
 
 @dataclass
 class RebalanceEvent:
-    """What one rebalance did, identical on every rank. A skipped rebalance (its plan
-    gained less than `min_gain`) moved nothing and kept the placement in force."""
+    """What one rebalance did: the plan's figures and what moved are identical on every
+    rank; the timers and step counts (seconds_*, max_step_loop_seconds, steps_in_flight)
+    are this rank's. A skipped rebalance (its plan gained less than `min_gain`) moved
+    nothing and kept the placement in force."""
 
     step: int
     trigger: str
-    balancedness_before: np.ndarray  # [L] measured over the window's per-GPU load (mean/max)
+    # [L] measured over the window's per-GPU load (mean/max); apply_placement given a load:
+    # its `before`, or without one predicted from that load on the placement in force
+    balancedness_before: np.ndarray
     balancedness_after: np.ndarray  # [L] predicted: the window's load on the placement in force after
     experts_moved: int  # remote expert copies received, all ranks together
     local_copies: int  # slots filled from another slot on the same rank

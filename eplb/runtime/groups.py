@@ -1,6 +1,6 @@
 """The process groups a runtime uses, owned by whoever builds them.
 
-A runtime needs four groups over the same ranks (the EP group's):
+A runtime needs five groups over the same ranks (the EP group's):
 
 * `ep`: the model's expert-parallel group (the load window's all-reduce);
 * `control`: gloo, the step loop's per-step agreements (no GPU synchronisation);
@@ -8,7 +8,8 @@ A runtime needs four groups over the same ranks (the EP group's):
   gathers), apart from the step loop's so the two threads never share a group;
 * `transfer`: the EP group's backend, the weight transfers, apart from the model's
   collectives so a transfer never queues behind them;
-* `tokens`: gloo, the IPC transport's "slots settled" messages.
+* `tokens`: gloo, the IPC transport's CPU tokens (a peer's "slots ready" before an
+  `exchange` pulls, and those of the in-place `move`; its `settle` uses `transfer`).
 
 `EplbGroups.create(ep, timeout)` builds them from the EP group (collective over its
 members); a caller that must control how groups are made (e.g. `eplb.runtime.resize`,
@@ -53,7 +54,7 @@ def new_group(ranks: list[int], backend: str, timeout: float | None,
 
 @dataclass(frozen=True)
 class EplbGroups:
-    """The groups one runtime uses (see the module docstring); all None without
+    """The groups one runtime uses (see the module docstring); all but `ep` None without
     torch.distributed or with one rank. `timeout`: seconds a transfer or a thread's
     collective may take; the control group waits twice as long, so a rank that failed
     early still hears from peers that first sat out their transfer timeout."""
@@ -80,13 +81,14 @@ class EplbGroups:
     def create(cls, ep: dist.ProcessGroup | None = None, timeout: float = 300.0, *,
                world_collective: bool = False, device: torch.device | None = None,
                ranks: list[int] | None = None, spares: int = 0) -> "EplbGroups":
-        """Build control, plan and transfer groups over the ranks of `ep` (None: the
-        world). Collective over the members of `ep` (over the whole world with
-        `world_collective`; non-members then get a value whose groups they must not use).
-        The transfer group is warmed up (see `warm_up_transfer`) on `device` when it
-        uses NCCL. `ranks`: the global ranks of `ep`, required on a non-member (it
-        cannot ask `ep`). `spares`: extra (plan, transfer) pairs made now for `renew()`
-        (see there; resize asks for some, as its groups are made world-collectively)."""
+        """Build the control, plan, transfer and tokens groups (and `spares` pairs) over the
+        ranks of `ep` (None: the world). Collective over the members of `ep` (over the whole
+        world with `world_collective`; non-members then get a value whose groups they must
+        not use). Every transfer group is warmed up (`warm_up_transfer`, whatever its
+        backend; on `device` when it uses NCCL). `ranks`: the global ranks of `ep`,
+        required on a non-member (it cannot ask `ep`). `spares`: extra (plan, transfer)
+        pairs made now for `renew()` (see there; resize asks for some, as its groups are
+        made world-collectively)."""
         if not dist.is_initialized():
             return cls(ep, None, None, None, None, timeout, world_collective)
         ranks = group_ranks(ep) if ranks is None else sorted(ranks)
@@ -106,11 +108,14 @@ class EplbGroups:
 
     def renew(self, device: torch.device | None = None) -> "EplbGroups":
         """Fresh plan and transfer groups (after an aborted rebalance whose operations may
-        still be pending on the old ones). Collective over the members: a spare pair when
-        there is one, else new groups made by the members alone (torch names those from
-        the rank list and each member's count of registered groups, so members whose
-        histories of group creation differ, e.g. after a resize, need spares). Groups made
-        `world_collective` with no spare left raise NoSpareGroups instead of risking that."""
+        still be pending on the old ones). `control` and `tokens` are kept: with the IPC
+        transport a still-running aborted change uses the same tokens group (and the
+        transport's hold buffer) as the next change (a known limit, docs/reliability.md).
+        Collective over the members: a spare pair when there is one, else new groups made
+        by the members alone (torch names those from the rank list and each member's count
+        of registered groups, so members whose histories of group creation differ, e.g.
+        after a resize, need spares). Groups made `world_collective` with no spare left
+        raise NoSpareGroups instead of risking that."""
         if self.transfer is None:
             return self
         if self.spares:

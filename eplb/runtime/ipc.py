@@ -4,8 +4,10 @@ Every rank maps its peers' expert tensors once (collective, at set-up); a receiv
 copies the experts it needs straight from the peers' slots into its staging buffer, and
 `move` carries out a whole synchronous layer in place: the old experts that someone
 still reads go into a hold buffer first, then each sender writes straight into the
-receivers' slots, so each byte crosses NVLink once and is written once. "Slots settled"
-tokens travel over a gloo group, so a background exchange launches no NCCL kernel.
+receivers' slots, so each byte crosses NVLink once and is written once. The tokens of
+`exchange` ("slots ready") and of `move` travel over a gloo group, so a background
+exchange launches no NCCL kernel; `settle`'s ("slots settled", only between a synchronous
+exchange and write) are NCCL point-to-point messages on the transfer group.
 Built on eplb/runtime/transports.py (the shared helpers and the point-to-point
 transport); `eplb.runtime.transport_choice.make_transport` picks between the two.
 """
@@ -132,9 +134,10 @@ class IpcTransport(TransportBase):
         self.hold_chunk_bytes = hold_chunk_bytes
         self._can_move = self.hold is not None  # the same verdict on every rank
         self.moves = 0  # layers moved in place so far (`move` calls with work)
-        # the "slots settled" tokens: CPU messages, so a background exchange launches no
-        # NCCL kernel (`timeout`: how long a token may take before the exchange fails);
-        # on `cpu_group` (gloo, same ranks: the runtime passes EplbGroups.tokens) or a new one
+        # the tokens of `exchange` and `move`: CPU messages, so a background exchange
+        # launches no NCCL kernel (`timeout`: how long a token may take before the
+        # exchange fails); on `cpu_group` (gloo, same ranks: the runtime passes
+        # EplbGroups.tokens) or a new one
         if cpu_group is None:
             from eplb.runtime.control import new_group_like
 

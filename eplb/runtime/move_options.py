@@ -13,10 +13,10 @@ __all__ = ["MoveOptions"]
 
 @dataclass(frozen=True)
 class MoveOptions:
-    """How a change moves layers. `verify`: check every staged expert against its
-    pre-transfer checksum before anything is written. `timeout`: seconds without any layer
-    switching after which this rank counts the change as failed (the agreement then aborts
-    it everywhere). `launch`: where an asynchronous change launches each layer's exchange:
+    """How a change moves layers. `verify`: check every staged expert of a layer against
+    its pre-transfer checksum before that layer is written. `timeout`: seconds without any
+    layer switching after which this rank counts the change as failed (the agreement then
+    aborts it everywhere). `launch`: where an asynchronous change launches each layer's exchange:
     "thread" (the background thread), "step" (the step loop, in `advance()`, at the same
     step on every rank: its NCCL kernels then enter every GPU in the same order relative to
     the model's collectives, which two threads cannot promise, see NVIDIA/nccl#1766) or

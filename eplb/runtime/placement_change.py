@@ -22,9 +22,10 @@ layer); with `launch_in_step` (NCCL on GPUs) the thread only prepares each layer
 Failures every rank learns through the agreement (planning error, transfer or
 verification failure anywhere, no progress for `timeout` s) abort the change on all ranks
 at the same layer: `RebalanceError`, earlier layers new, later ones old, maps matching
-weights; serving continues. When the agreement itself fails (a peer died or froze),
-`EplbFatalError`. Around it: `MoveOptions` in `move_options`, `ChangeStats` and the errors
-in `events`, the staging buffer in `staging`, the checks of `verify` in `verify`.
+weights; serving continues. When the agreement itself fails (a peer died or froze), or
+a layer's write fails here, `EplbFatalError`. Around it: `MoveOptions` in `move_options`,
+`ChangeStats` and the errors in `events`, the staging buffer in `staging`, the checks of
+`verify` in `verify`.
 """
 from __future__ import annotations
 
@@ -244,7 +245,8 @@ class PlacementChange:
             ready, prepared, ok = self.ready, self.prepared, self.error is None
         timeout = self.options.timeout
         if ok and time.monotonic() - self._last_progress > timeout:
-            self._fail(TimeoutError(f"no layer switched for {timeout:g} s (transfer_timeout)"))
+            self._fail(TimeoutError(f"no layer switched for {timeout:g} s (the move's timeout: "
+                                    "EplbConfig.transfer_timeout, or TransferExecutor's timeout)"))
             ok = False
         return [ready, prepared, int(ok), self.num_ranks if ok else self.rank]
 
@@ -364,7 +366,8 @@ class PlacementChange:
 
     def _switch_next(self) -> None:
         """Switch the next staged layer (`switch_layer`: weights, then maps) on the caller's
-        stream. A failure here leaves this rank inconsistent: fatal."""
+        stream. A failure here leaves this rank inconsistent: fatal, naming the layer
+        (`EplbFatalError.partly_written`)."""
         t0 = time.perf_counter()
         i = self.committed
         layer = self.layers[i]
@@ -377,7 +380,8 @@ class PlacementChange:
         except Exception as e:  # noqa: BLE001
             self._stop_thread()
             raise EplbFatalError(f"writing layer {layer} failed ({type(e).__name__}: {e}); its "
-                                 "weights are partly rewritten: reload the model") from e
+                                 "weights may be partly rewritten: reload the model",
+                                 partly_written=layer) from e
         with self._cv:
             self.committed = i + 1
             self._plans[i] = None

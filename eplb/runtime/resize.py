@@ -1,7 +1,7 @@
 """Planned resize of the expert-parallel group: grow or shrink the number of EP ranks
-while every rank is alive (elastic EP, the planned half; a rank that dies is item 3's
-fault handling, not this). Torch's world is fixed, so a resize changes which ranks of
-the world form the EP group (shrink {0,1,2,3} -> {0,1}: ranks 2 and 3 send the experts
+while every rank is alive (elastic EP, the planned half; a rank that dies mid-resize is
+not handled: docs/reliability.md). Torch's world is fixed, so a resize changes which ranks
+of the world form the EP group (shrink {0,1,2,3} -> {0,1}: ranks 2 and 3 send the experts
 only they hold and release their slots; grow {0,1} -> {0,1,2,3}: idle ranks join):
 
     result = resize_expert_parallel(model, old_ranks=[0, 1, 2, 3], new_ranks=[0, 1],

@@ -31,7 +31,7 @@ from eplb.core.transfer_plan import transfer_stats
 from eplb.protocol import ForwardCounter, MixtureOfExperts
 from eplb.runtime import lifecycle
 from eplb.runtime.control import RebalanceRequests, agree_requested
-from eplb.runtime.events import EplbFatalError, RebalanceError, RebalanceEvent
+from eplb.runtime.events import EplbFatalError, RebalanceError, RebalanceEvent, layers_left
 from eplb.runtime.groups import EplbGroups, NoSpareGroups
 from eplb.runtime.move_options import MoveOptions
 from eplb.runtime.placement_change import PlacementChange
@@ -133,9 +133,8 @@ class EplbRuntime:
         # the rebalance thread's side stream, made here: the first stream a process makes
         # sets up torch's stream pool, which would otherwise hold the GIL inside the step
         # that starts the first rebalance
-        self._side_stream = None
-        if self.device.type == "cuda" and self.config.async_rebalance:
-            self._side_stream = torch.cuda.Stream(self.device)
+        self._side_stream = (torch.cuda.Stream(self.device)
+                             if self.device.type == "cuda" and self.config.async_rebalance else None)
         # rank 0 plans (in a child process in asynchronous mode), every rank gets the plan
         self.planner = Rank0Planner(self.config, self.world_size, model.num_expert_groups, self.rank,
                                     use_process=self.config.async_rebalance and self.config.planner_process)
@@ -164,12 +163,13 @@ class EplbRuntime:
         self._failure_listeners.append(fn)
 
     def add_step_hook(self, fn: Callable[["EplbRuntime"], None]) -> None:
-        """Call `fn(runtime)` at the end of every `step()` (before any rebalance)."""
+        """Call `fn(runtime)` in every `step()` after the step's load is recorded, before its
+        rebalance work (not when `step()` raises before that: closed, or a fatal error)."""
         self._step_hooks.append(fn)
 
     def request_rebalance(self, trigger: str = "api") -> int:
-        """Ask for a rebalance at the next control check (thread-safe, does not block);
-        returns an id for `rebalance_status()`."""
+        """Ask for a rebalance at the next control check (every `control_interval` steps,
+        none with 0, none while a change is in flight); thread-safe, returns a status id."""
         return self.requests.request(trigger)
 
     def rebalance_status(self, request_id: int) -> dict | None:
@@ -187,7 +187,7 @@ class EplbRuntime:
         mode it also advances the rebalance in flight (at most one layer switches per
         step) and returns its event on the step it completes.
 
-        Raises EplbFatalError when a peer died or stopped answering during a rebalance;
+        Raises EplbFatalError when a peer died or stopped answering, or a write failed;
         a synchronous rebalance that failed raises RebalanceError, an asynchronous one is
         logged and reported to failure listeners and serving continues."""
         if self.fatal_error is not None:
@@ -215,15 +215,16 @@ class EplbRuntime:
         return None
 
     def rebalance(self, trigger: str = "api") -> RebalanceEvent | None:
-        """Plan on the recorded window and move weights (collective over the group).
+        """Plan on the recorded window and move weights (collective over the group), after
+        `finish_rebalance()` (which raises a failing rebalance in flight's RebalanceError).
         Synchronous mode: returns the event once every layer switched. Asynchronous mode:
-        finishes any rebalance in flight, starts this one and returns None; `step()`
-        completes it and the event reaches listeners and `events`."""
+        returns None; `step()` completes it and the event reaches listeners and `events`."""
         self.finish_rebalance()
         return self._start(trigger)
 
     def finish_rebalance(self) -> RebalanceEvent | None:
-        """Drive the rebalance in flight (if any) to its end now, on every rank (collective)."""
+        """Drive the rebalance in flight (if any) to its end now, on every rank (collective).
+        Raises its RebalanceError if it fails (`step()` only logs a non-fatal one)."""
         event = None
         while self._change is not None:
             event = self._advance(raise_failure=True)
@@ -242,10 +243,10 @@ class EplbRuntime:
                         before: np.ndarray | None = None, load: np.ndarray | None = None,
                         seconds_plan: float = 0.0) -> RebalanceEvent | None:
         """Move weights to `new` (same on every rank) and switch the maps layer by layer,
-        after finishing any rebalance in flight. `wait=True`: now, returning the event;
-        raises RebalanceError if it stops part-way (every layer is then on its old or its
-        new placement on every rank). `wait=False`: in the background like an asynchronous
-        rebalance (returns None; `step()` completes it)."""
+        after `finish_rebalance()` (which raises a failing rebalance in flight's error).
+        `wait=True`: now, returning the event; raises RebalanceError if it stops part-way
+        (layers then wholly old or new, bar one an EplbFatalError names partly written).
+        `wait=False`: in the background, like an asynchronous rebalance (returns None)."""
         old = self.placement
         if (new.num_layers, new.num_slots, new.num_logical_experts, new.num_gpus) != (
                 old.num_layers, old.num_slots, old.num_logical_experts, old.num_gpus):
@@ -259,12 +260,12 @@ class EplbRuntime:
 
     def close(self, timeout: float | None = None) -> None:
         """Stop background work before the process exits: abandon a rebalance in flight
-        (layers that switched stay switched) and wait up to `timeout` seconds (default
-        `transfer_timeout`) for transfer threads, which may sit in a transfer until their
-        group's timeout after an aborted rebalance; then release the runtime's own process
-        groups (destroyed at exit, so a later runtime's groups never reuse their names).
-        Not a collective. Idempotent; also run at exit for runtimes still alive.
-        `step()` refuses to run afterwards."""
+        (layers that switched stay switched), wait up to `timeout` s (default
+        `transfer_timeout`) for transfer threads (after an aborted rebalance one may sit in
+        a transfer until its group's timeout), then release the runtime's own groups
+        (destroyed at exit, so later groups never reuse their names); while a thread is
+        still alive they are kept instead, with a warning. Not a collective; idempotent;
+        also run at exit for runtimes still alive. `step()` refuses to run afterwards."""
         if self._change is not None:
             self._change.abandon()
             self._stale.append(self._change)
@@ -279,8 +280,7 @@ class EplbRuntime:
             log.warning("eplb: %d rebalance thread(s) still waiting in a transfer at close",
                         len(self._stale))
         elif not self.closed and dist.is_initialized():
-            # drop the runtime's own groups; they are destroyed at exit (before interpreter
-            # teardown), not now: see eplb.runtime.lifecycle
+            # destroyed at exit (before interpreter teardown), not now: see _retire_groups
             self._retire_groups()
         self.closed = True
 
@@ -290,8 +290,9 @@ class EplbRuntime:
         """Start moving to `plan_fn()`'s placement. `info` (trigger, request ids, start
         time) is the very dict `plan_fn` fills (load, before, predicted_gain, skipped,
         seconds_plan): `_finished` reports from it."""
-        # an aborted change's thread may still wait in its old group until that group's
-        # timeout; it only reads weights and writes its own staging, so it is left to end
+        # an aborted change's thread may still wait in a transfer until its group's timeout
+        # and is left to end; it writes only its staging, but over IPC that is the shared hold
+        # buffer and its tokens use groups.tokens, not renewed (known limit: reliability.md)
         self._stale = [c for c in self._stale if c.thread_alive]
         change = PlacementChange(
             self.placement, plan_fn, self.expert_weights, self._maps, groups=self.groups,
@@ -347,11 +348,11 @@ class EplbRuntime:
         fatal = isinstance(error, EplbFatalError)
         stage = ("while planning" if change.layers is None else
                  f"after {len(done)} of {len(change.layers)} changed layers")
-        where = (f"rebalance ({info['trigger']}) failed {stage} ({error}); every layer is on "
-                 f"its old or its new placement with maps matching weights")
+        where = f"rebalance ({info['trigger']}) failed {stage} ({error}); {layers_left(error)}"
         if fatal:
-            out = self.fatal_error = EplbFatalError(where + "; the process group is unusable: "
-                                                    "stop this job")
+            out = self.fatal_error = EplbFatalError(
+                where + "; the process group is unusable: stop this job",
+                partly_written=error.partly_written)
         else:
             out = RebalanceError(where + "; serving can continue")
             if change.thread_alive:

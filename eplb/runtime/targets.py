@@ -1,10 +1,11 @@
 """What a rebalance moves to, and the figures its event reports. `RebalanceTargets` reads
-the recorded window (one all-reduce on the step loop), and returns the `plan_fn` a
-`PlacementChange` calls (in the rebalance thread in asynchronous mode) together with the
-`info` dict that `plan_fn` fills: "load" [L, N] (what the planner sees: the window,
-plus earlier steady windows), "before" [L]
-(balancedness measured from the per-GPU window), "predicted_gain", "skipped" (and
-"skip_reason"), "seconds_plan"; `EplbRuntime._finished` builds the RebalanceEvent from it.
+the recorded window (one all-reduce on the step loop per plan; shift detection, on by
+default, adds one at each check it makes, so a shift-triggered rebalance makes two), and
+returns the `plan_fn` a `PlacementChange` calls (in the rebalance thread in asynchronous
+mode) together with the `info` dict that `plan_fn` fills: "load" [L, N] (what the
+planner sees: the window, plus earlier steady windows), "before" [L] (balancedness
+measured from the per-GPU window), "predicted_gain", "skipped" (and "skip_reason"),
+"seconds_plan"; `EplbRuntime._finished` builds the RebalanceEvent from it.
 
 A planned rebalance (`planned`): rank 0 plans (`Rank0Planner`), every rank gets the plan,
 and `worth_moving` (the same verdict on every rank) keeps the placement in force when the

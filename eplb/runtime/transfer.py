@@ -8,8 +8,9 @@ Four modules:
 * how experts travel: `eplb.runtime.transports.P2PTransport` (NCCL or gloo point-to-point),
   `eplb.runtime.ipc.IpcTransport` (CUDA IPC on one host), picked by
   `eplb.runtime.transport_choice.make_transport`, both `Transport`s
-  (`eplb.runtime.transport_base`: the contract, the staging buffer, and `write_layer`,
-  the default write of staging into the slots);
+  (`eplb.runtime.transport_base`: the contract and its defaults);
+* `eplb.runtime.staging`: the staging buffer, the run-wise slot copies, and
+  `write_layer`, the default write of staging into the slots;
 * this module: one layer carried out *into the model's own tensors* (`exchange_layer`,
   `execute_layer_transfer`): weights are written with `copy_` into slot
   views, so storage and `data_ptr` never change and CUDA graphs and registered views stay
@@ -20,7 +21,7 @@ Per layer and rank the execution is (after vLLM's `move_to_buffer`/`move_from_bu
 and SGLang's `update_expert_weights_single_layer`), in two public halves that an
 asynchronous caller can run apart (`exchange_layer` in a background thread or launched
 from the step loop, on a side stream; the transport's `write`, by default
-`transport_base.write_layer`, at a step boundary):
+`staging.write_layer`, at a step boundary):
 
 1. (`exchange_layer`) copy experts needed locally whose only local source slot is about
    to be overwritten into a staging buffer (an in-place write could clobber the source);

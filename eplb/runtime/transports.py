@@ -9,8 +9,10 @@ IPC transport, straight into the slots). `eplb.runtime.transfer` drives them.
   a synchronous layer in place through a hold buffer;
 * `eplb.runtime.transport_choice.make_transport("auto")` picks between them.
 
-Both derive from `eplb.runtime.transport_base.TransportBase` (the `Transport` contract,
-the staging buffer and the run-wise slot copies). Ranks here are *group-relative*; `global_rank` maps them for torch.distributed.
+Both derive from `eplb.runtime.transport_base.TransportBase` (the `Transport` contract
+and its defaults) and use `eplb.runtime.staging` (the staging buffer and the run-wise
+slot copies). Ranks here are *group-relative*; `global_rank` maps them for
+torch.distributed.
 """
 from __future__ import annotations
 
