@@ -104,6 +104,8 @@ SIM = ["--num-gpus", "2", "--num-slots", "8", "--window-size", "1", "--rebalance
     ("trace", ["--num-slots", str(10**12)], "num_slots"),
     ("trace", ["--window-size", "true"], "--window-size"),
     ("trace", ["--load-decay", "nan"], "decay"),
+    ("trace", ["--load-decay", "2"], "--load-decay must be in (0, 1]"),
+    ("trace", ["--load-decay", "0"], "--load-decay must be in (0, 1]"),
     ("trace", ["--move-tolerance", "inf"], "move_tolerance"),
     ("big", [], "big.npy"),
     ("big3", [], "big3.npy"),
@@ -115,6 +117,33 @@ SIM = ["--num-gpus", "2", "--num-slots", "8", "--window-size", "1", "--rebalance
 ])
 def test_simulate_cli_bad_input(files, capsys, trace, extra, needle):
     _one_line_exit_2(["simulate", files[trace]] + SIM + extra, capsys, needle)
+
+
+# `eplb simulate --cost` on a tiny custom model, which runs in well under a second
+COST = ["--num-gpus", "2", "--window-size", "1", "--rebalance-interval", "1", "--cost", "analytic",
+        "--model", "custom", "--hidden", "64", "--intermediate", "32", "--top-k", "2", "--moe-layers", "2",
+        "--placements", "default"]
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--load-decay", "2"], "--load-decay must be in (0, 1]"),
+    (["--start", "2"], "--start has no effect with --cost"),
+    (["--policy", "deepseek"], "--policy has no effect with --cost"),
+    (["--num-nodes", "2"], "--num-nodes has no effect with --cost"),
+    (["--num-groups", "2"], "--num-groups has no effect with --cost"),
+    (["--bytes-per-expert", "100"], "--bytes-per-expert has no effect with --cost"),
+    (["--no-oracle"], "--no-oracle has no effect with --cost"),
+])
+def test_simulate_cost_refuses_what_it_would_ignore(files, capsys, extra, needle):
+    """The cost replay reads neither the balancedness replay's options nor, before, a bad
+    --load-decay: each is one line naming the flag, not a run that silently ignores it."""
+    _one_line_exit_2(["simulate", files["trace"]] + COST + extra, capsys, needle)
+
+
+def test_simulate_cost_accepts_those_options_at_their_defaults(files, capsys):
+    code, _, err = run_main(["simulate", files["trace"]] + COST + ["--policy", "default", "--num-nodes", "1",
+                                                                  "--num-groups", "1"], capsys)
+    assert code == 0, err
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -129,12 +158,43 @@ def test_simulate_cli_bad_input(files, capsys, trace, extra, needle):
     (["--skew", "nan"], "--skew"),
     (["--steps", "1.5"], "--steps"),
     (["--trace", "{big}"], "big.npy"),
+    # 0 is not "the default", and the model's own checks would name MoEArgs fields
+    (["--experts", "0"], "--experts: must be >= 1, got 0"),
+    (["--top-k", "0"], "--top-k: must be >= 1, got 0"),
+    (["--window-size", "0"], "--window-size: must be >= 1, got 0"),
+    (["--experts", "-4"], "--experts: must be >= 1, got -4"),
+    (["--top-k", "-1"], "--top-k: must be >= 1, got -1"),
+    (["--top-k", "40"], "--top-k: 40 exceeds --experts (32)"),
+    (["--groups", "3"], "--groups: --experts (32) must be divisible by --groups (3)"),
+    (["--experts", "4", "--groups", "2", "--top-k", "4"], "fewer than --top-k (4)"),
+    (["--json", "{missing}"], "--json: directory does not exist"),
+    (["--json", "{dir}"], "is a directory"),
+    (["--metrics-per-layer"], "--metrics-per-layer needs --metrics-port"),
 ])
-def test_demo_cli_bad_arguments(files, capsys, monkeypatch, args, needle):
+def test_demo_cli_bad_arguments(files, tmp_path, capsys, monkeypatch, args, needle):
     import eplb.ops.launch
 
     monkeypatch.setattr(eplb.ops.launch, "launch", lambda *a, **k: pytest.fail("launched ranks"))
-    _one_line_exit_2(["demo"] + [x.format(**files) for x in args], capsys, needle)
+    fmt = dict(files, missing=str(tmp_path / "no" / "such.json"), dir=str(tmp_path))
+    _one_line_exit_2(["demo"] + [x.format(**fmt) for x in args], capsys, needle)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--drift-period", "0"], "--drift-period"),
+    (["--skew", "-1"], "--skew"),
+    (["--experts", "0"], "--experts"),
+    (["--groups", "3"], "--groups"),
+])
+def test_demo_module_bad_arguments(capsys, monkeypatch, args, needle):
+    """`torchrun -m eplb.ops.demo` has no `eplb demo` launcher to check its flags: each rank
+    refuses them before joining the process group (rank 0 says why)."""
+    import eplb.ops.demo
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(eplb.ops.demo.dist, "init_process_group", lambda *a, **k: pytest.fail("started a rank"))
+    assert eplb.ops.demo.main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("eplb demo: error: ") and needle in lines[0], lines
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -204,6 +204,7 @@ def test_no_token_configured_refuses_post(monkeypatch):
         for token in (None, TOKEN, ""):
             status, _, d = post_rebalance(j.server, token)
             assert status == 403 and "no token is configured" in d["error"]
+            assert "token_file=" in d["error"] and "--token-file" in d["error"]  # every way to set one
         j.wait_steps(3 * j.runtime.config.control_interval)
         assert j.runtime.events == [] and not j.runtime.requests.has_pending()
     finally:

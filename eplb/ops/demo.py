@@ -5,8 +5,9 @@ rebalanced by EplbRuntime on schedule. One process per rank.
     torchrun --nproc-per-node 4 -m eplb.ops.demo --steps 200 # the same job under torchrun
     eplb demo --model qwen3_moe --verify                 # a tiny transformers model (eplb.ops.demo_hf)
 
-This is the application layer (with eplb.ops.demo_hf, the `eplb` modules that import
-`moe`): the job's setup, its loop and its summary. The arguments and their checks, which
+This is the application layer (with eplb.ops.demo_hf, the `eplb` modules that build a
+`moe` model; eplb.ops.gpu_cost also imports `moe`, to time `moe.experts`' expert work):
+the job's setup, its loop and its summary. The arguments and their checks, which
 `eplb demo` reads before any rank starts, are eplb.ops.demo_args.
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ import torch.distributed as dist
 
 from eplb.core.config import EplbConfig
 from eplb.core.placement import Placement, balancedness_of_gpu_loads
-from eplb.ops.demo_args import HF_BF16_TOLERANCE, HF_FP32_TOLERANCE, add_demo_arguments, check_demo_arguments
+from eplb.ops.demo_args import (HF_BF16_TOLERANCE, HF_FP32_TOLERANCE, add_demo_arguments, check_demo_arguments,
+                                 topk_groups)
 from eplb.ops.settings_args import SettingsParser
 from eplb.ops.progress import ProgressBar
 from eplb.runtime import EplbFatalError, EplbRuntime
@@ -57,7 +59,7 @@ def setup(a: argparse.Namespace, world: int):
         return config, None, None
     args = MoEArgs(hidden_size=a.hidden, intermediate_size=a.intermediate, num_layers=a.layers,
                    num_experts=a.experts, top_k=a.top_k, num_redundant_experts=redundant,
-                   num_expert_groups=a.groups, topk_groups=max(1, a.groups // 2) if a.groups > 1 else 1,
+                   num_expert_groups=a.groups, topk_groups=topk_groups(a.groups),
                    dtype=a.dtype, seed=a.seed).validate(world)
     if a.trace:
         workload = TraceWorkload(load_trace(a.trace), a.layers, a.experts, window=a.trace_window)

@@ -1,7 +1,7 @@
 """The arguments of the demo job (`eplb demo`, `python -m eplb.ops.demo`) and their checks:
 every impossible value is one ValueError naming its flag, raised by `eplb demo` before
-any rank starts. Importing this needs neither torch nor `moe` (the parser of `eplb` is
-built from it).
+any rank starts. Importing this needs no `moe` (the parser of `eplb` is built from it;
+torch comes in with the `eplb` package).
 
 `--model NAME` (a tiny transformers model, eplb.ops.demo_hf): HF_ARCHITECTURES lists the
 architectures of moe.hf.configs, kept here so that the parser needs no import of moe
@@ -10,6 +10,8 @@ architectures of moe.hf.configs, kept here so that the parser needs no import of
 from __future__ import annotations
 
 import argparse
+import math
+from pathlib import Path
 
 from eplb.core.config import LAUNCH_MODES, TRANSPORTS, EplbConfig
 from eplb.ops.settings_args import Setting, on_off
@@ -39,7 +41,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="trace entries (sequences) summed per step, sliding by one (default 8)")
     p.add_argument("--layers", type=int, default=4, help="MoE layers (default 4)")
     p.add_argument("--experts", type=int, default=None,
-                   help="routed experts per layer (default 32; 64 with --trace esft)")
+                   help="routed experts per layer (default 32; 64 with --trace)")
     p.add_argument("--num-redundant-experts", "--redundant", action=Setting, type=int, default=None,
                    help="redundant slots per layer (default: one per rank, rounded up so that "
                         "experts + redundant divides by the number of ranks)")
@@ -105,8 +107,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
                         "rank per step (default 32)")
     m = p.add_argument_group("metrics and HTTP trigger (rank 0 serves them)")
     m.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                   help="serve Prometheus metrics, /healthz, /placement and POST /rebalance on "
-                        "PORT (0 = any free port; the URL is printed)")
+                   help="serve Prometheus metrics, /healthz, /placement, GET /load and POST "
+                        "/rebalance on PORT (0 = any free port; the URL is printed)")
     m.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                    help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it to the network)")
     m.add_argument("--metrics-interval", type=int, default=10, metavar="STEPS",
@@ -124,18 +126,29 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_demo_arguments(a: argparse.Namespace) -> None:
-    """Fill defaults and reject impossible values with a one-line ValueError."""
+    """Fill defaults and reject impossible values with a one-line ValueError naming the
+    flag. Both `eplb demo` (before launching) and every rank (under plain torchrun) run it."""
     for name in ("steps", "layers", "hidden", "intermediate", "tokens", "groups", "trace_window",
-                 "seq_len"):
-        if getattr(a, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(a, name)}")
+                 "seq_len", "drift_period", "experts", "top_k", "window_size"):
+        value = getattr(a, name)  # experts, top_k, window_size: None until defaulted below
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {value}")
+    if not math.isfinite(a.skew) or a.skew < 0:
+        raise ValueError(f"--skew: must be a finite number >= 0, got {a.skew:g}")
+    if a.json is not None:  # else the run would fail only at its end, writing the records
+        out = Path(a.json)
+        if not out.resolve().parent.is_dir():
+            raise ValueError(f"--json: directory does not exist: {out.parent}")
+        if out.is_dir():
+            raise ValueError(f"--json: {out} is a directory")
     if a.model is not None:
         check_model_arguments(a)
     if a.rebalance_interval < 0:
         raise ValueError(f"--rebalance-interval: must be >= 0 (0 = never), got {a.rebalance_interval}")
     if a.metrics_port is None:
         for flag, value in (("--token-file", a.token_file), ("--metrics-hold", a.metrics_hold),
-                            ("--metrics-replicas", a.metrics_replicas)):
+                            ("--metrics-replicas", a.metrics_replicas),
+                            ("--metrics-per-layer", a.metrics_per_layer)):
             if value:
                 raise ValueError(f"{flag} needs --metrics-port")
     else:
@@ -148,9 +161,33 @@ def check_demo_arguments(a: argparse.Namespace) -> None:
         from eplb.ops.server import load_token
 
         load_token(token_file=a.token_file)  # unreadable or empty token file: one line, early
-    a.experts = a.experts or (64 if a.trace else 32)
-    a.top_k = a.top_k or (6 if a.trace else 4)
-    a.window_size = a.window_size or max(1, a.rebalance_interval)
+    if a.experts is None:
+        a.experts = 64 if a.trace else 32
+    if a.top_k is None:
+        a.top_k = 6 if a.trace else 4
+    if a.window_size is None:
+        a.window_size = max(1, a.rebalance_interval)
+    check_routing_arguments(a)
+
+
+def topk_groups(groups: int) -> int:
+    """Groups kept per token in the reference model's group-limited top-k: half of
+    --groups (1 without groups)."""
+    return max(1, groups // 2)
+
+
+def check_routing_arguments(a: argparse.Namespace) -> None:
+    """--experts, --top-k, --groups against each other, as moe.MoEArgs.validate checks
+    them, but naming the flags."""
+    N, K, G = a.experts, a.top_k, a.groups
+    if K > N:
+        raise ValueError(f"--top-k: {K} exceeds --experts ({N})")
+    if N % G:
+        raise ValueError(f"--groups: --experts ({N}) must be divisible by --groups ({G})")
+    kept = topk_groups(G) * (N // G)
+    if kept < K:
+        raise ValueError(f"--groups: each token keeps {topk_groups(G)} of {G} groups, {kept} "
+                         f"experts, fewer than --top-k ({K}); use fewer groups or a smaller --top-k")
 
 
 # `eplb demo --model NAME`: the architectures of moe.hf.configs (kept here so that the

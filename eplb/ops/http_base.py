@@ -302,7 +302,8 @@ class HardenedHandler(BaseHTTPRequestHandler):
         srv = self.server.eplb
         if srv.token is None:
             self._error(403, "state-changing requests are disabled: no token is configured "
-                             "(set EPLB_TOKEN or EPLB_TOKEN_FILE on the job)")
+                             "(set EPLB_TOKEN or EPLB_TOKEN_FILE on the job, pass EplbServer "
+                             "token= or token_file=, or eplb demo --token-file)")
             return False
         scheme, _, credentials = self.headers.get("Authorization", "").strip().partition(" ")
         given = credentials.strip() if scheme.lower() == "bearer" else ""

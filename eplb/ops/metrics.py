@@ -129,8 +129,9 @@ class EplbMetrics:
             "eplb_rebalances_total", "Rebalances by trigger (interval, request, api, initial, shift, "
             "resize) and outcome (success, failure, skipped).", ["trigger", "outcome"], registry=r)
         self.duration = Histogram(
-            "eplb_rebalance_duration_seconds", "Duration of successful rebalances by phase "
-            "(plan, transfer, commit, total).", ["phase"], buckets=DURATION_BUCKETS, registry=r)
+            "eplb_rebalance_duration_seconds", "Duration of rebalances by phase (plan, transfer, "
+            "commit, total): a successful one observes every phase, a skipped one plan only.",
+            ["phase"], buckets=DURATION_BUCKETS, registry=r)
         self.experts_moved = Counter(
             "eplb_experts_moved_total", "Expert copies received from another rank, all ranks "
             "together.", registry=r)

@@ -63,7 +63,8 @@ def record(a: argparse.Namespace) -> int:
     out = Path(a.out)
     trace = a.count is not None or a.every is not None
     if trace and (a.count is None or a.every is None):
-        raise ValueError("--every and --count go together (K snapshots S seconds apart)")
+        raise ValueError("--every and --count go together (a trace of K entries from K + 1 "
+                         "snapshots S seconds apart)")
     kinds = (".json", ".npy", ".npz") if trace else (".json", ".npy")
     if out.suffix.lower() not in kinds:
         raise ValueError(f"--out: {out.name} must end in {', '.join(kinds)}"

@@ -25,7 +25,9 @@ from eplb.ops.plots import plot_scale
 
 
 def add_cost_arguments(p: argparse.ArgumentParser) -> None:
-    """The options `eplb simulate` gains for `--cost` (all ignored without it)."""
+    """The options `eplb simulate` gains for `--cost`. Without it --counts is refused and
+    the others are ignored; with it, the options only the balancedness replay reads
+    (--start, --policy, ...) are refused (eplb.ops.simulate_report)."""
     g = p.add_argument_group("cost replay (--cost): tokens/s at large expert parallelism")
     g.add_argument("--cost", choices=["analytic", "gpu"], default=None,
                    help="score tokens/s instead of balancedness: expert work from a roofline at "

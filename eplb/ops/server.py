@@ -42,7 +42,8 @@ Hardening (each point has a test in tests/test_server.py):
     {"error": "..."} with a fixed message (500: "internal error (see the server log)");
     the one exception is a failed rebalance's reason in GET /rebalance/<id>, a single
     line of at most 300 characters, which the operator asked for with the token;
-  * requests are logged only at DEBUG level on the "eplb.ops.server" logger.
+  * requests are logged at DEBUG level on the "eplb.ops.server" logger, except an
+    accepted POST /rebalance, logged at INFO with the client's address.
 
 The client side (`eplb trigger`, `eplb record`) is `eplb.ops.client`.
 

@@ -23,6 +23,10 @@ def run_simulate(a: argparse.Namespace) -> int:
     for opt, path in (("--json", a.json), ("--plot", a.plot)):
         if path and not Path(path).resolve().parent.is_dir():
             raise ValueError(f"{opt}: directory does not exist: {Path(path).parent}")
+    if not 0 < a.load_decay <= 1:  # here, not in the simulator: its error names `decay`
+        raise ValueError(f"--load-decay must be in (0, 1] (1 = a plain sum), got {a.load_decay:g}")
+    if a.cost:
+        _refuse_unused_with_cost(a)
     if a.plot and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib: pip install 'eplb[plot]' (or pip install matplotlib)")
     raw = load_trace(a.trace)  # [T, L, N]
@@ -88,6 +92,25 @@ def run_simulate(a: argparse.Namespace) -> int:
                     step_label="step" if a.aggregate == 1 else f"step ({a.aggregate} trace entries each)")
         print(f"wrote {a.plot}")
     return 0
+
+
+# options of the balancedness replay that the cost replay never reads: (flag, field,
+# default, what --cost does instead)
+_NOT_WITH_COST = (
+    ("--start", "start", None, "it plans from --rebalance-interval on"),
+    ("--policy", "policy", ["default"], "choose with --placements"),
+    ("--num-nodes", "num_nodes", 1, "nodes are --gpus-per-node GPUs each"),
+    ("--num-groups", "num_groups", 1, "the --model shape gives the expert groups"),
+    ("--bytes-per-expert", "bytes_per_expert", None, "the --model shape sizes the experts"),
+    ("--no-oracle", "no_oracle", False, "choose with --placements"),
+)
+
+
+def _refuse_unused_with_cost(a: argparse.Namespace) -> None:
+    """--cost: refuse an option it would silently ignore (set to anything but its default)."""
+    for flag, name, default, instead in _NOT_WITH_COST:
+        if getattr(a, name) != default:
+            raise ValueError(f"{flag} has no effect with --cost ({instead}); drop {flag}")
 
 
 def result_rows(result: SimulationResult) -> list[tuple[str, PolicyResult]]:

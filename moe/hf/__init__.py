@@ -6,7 +6,8 @@
     out = ep(input_ids); runtime.step()                       # ep.generate(...) works too
 
 Needs the optional extra `transformers` (`pip install -e '.[hf]'`); the core packages
-never import it, and this package imports it only in `from_pretrained`.
+never import it, and this package imports it only where it is used: in
+`from_pretrained` and in `moe.hf.configs` (the tiny test models).
 """
 from .experts import ExpertParallelExperts, find_experts_modules, slot_experts
 from .loading import from_pretrained

@@ -8,9 +8,13 @@ The router, gating, shared experts and activation stay the model's own: only tha
 changes. `ExpertParallelExperts` replaces it with
 
     logical ids -> replica slots (`map_to_physical`) -> count load into the load view
-    -> all-to-all to the owning ranks (`dispatch`) -> the module's own expert forward on
-    the local slots, one (token, k) copy per row with weight 1 -> all-to-all back
-    (`combine`) -> gate-weighted sum over k (`weighted_sum`).
+    -> all-to-all to the owning ranks (`dispatch`) -> the experts on the local slots'
+    rows, already sorted by slot (`SortedExperts`, the module's "grouped_mm" math without
+    a second sort; any other experts implementation: the module's own forward, one
+    (token, k) copy per row with weight 1) -> all-to-all back (`combine`) -> gate-weighted
+    sum over k, computed as transformers' own forward does (same dtype promotion).
+
+One process: no exchange; the module's own forward runs on the replica slot ids.
 
 Start-up layout (as `eplb.Placement.initial`): slot p holds expert p mod N and rank r
 holds slots [r*S, (r+1)*S), so the same slots hold the same experts in every layer.

@@ -3,7 +3,7 @@
 transformers' `grouped_mm` experts forward (its default `experts_implementation`) sorts
 the (token, k) rows by expert, runs two grouped GEMMs and unsorts them. Our dispatch has
 already sorted the rows by slot (and knows each slot's row offsets), so calling that
-forward would sort and gather every row a second time. `experts_on_sorted_rows` is the
+forward would sort and gather every row a second time. `SortedExperts.__call__` is the
 same computation from the sorted rows on: the same grouped GEMM op on the same operands,
 the module's own gate (`_apply_gate`), biases and post-expert norm, so its output equals
 transformers' row for row (bitwise on the same device).
@@ -28,7 +28,7 @@ _FLAGS = ("has_gate", "has_bias", "is_transposed", "_apply_gate")
 
 
 def sorted_rows_apply(module: nn.Module) -> bool:
-    """True when `experts_on_sorted_rows` computes `module`'s own forward: a transformers
+    """True when `SortedExperts` computes `module`'s own forward: a transformers
     decorated experts module configured for "grouped_mm"."""
     config = getattr(module, "config", None)
     return (getattr(config, "_experts_implementation", None) == "grouped_mm"
@@ -56,9 +56,10 @@ def _loop_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> to
 
 
 class SortedExperts:
-    """`experts_on_sorted_rows` for one module, with its GEMM path: the grouped GEMM op,
-    or (where the op refuses the inputs, e.g. CPU strides that are no multiple of 16
-    bytes) the per-slot loop from then on, with one warning."""
+    """One module's "grouped_mm" experts math on rows sorted by local slot (`__call__`),
+    with its GEMM path: the grouped GEMM op, or (where the op refuses the inputs, e.g.
+    CPU strides that are no multiple of 16 bytes) the per-slot loop from then on, with
+    one warning."""
 
     def __init__(self, module: nn.Module, name: str) -> None:
         self.module, self.name = module, name
