@@ -1,6 +1,7 @@
 """What a rebalance moves to, and the figures its event reports. `RebalanceTargets` reads
-the recorded window (one all-reduce on the step loop per plan; shift detection, on by
-default, adds one at each check it makes, so a shift-triggered rebalance makes two), and
+the recorded window (one all-reduce on the step loop per plan; with shift detection on,
+the default, a scheduled plan adds a small one of the steps since the last plan, and each
+shift check makes one), and
 returns the `plan_fn` a `PlacementChange` calls (in the rebalance thread in asynchronous
 mode) together with the `info` dict that `plan_fn` fills: "load" [L, N] (what the
 planner sees: the window, plus earlier steady windows), "before" [L] (balancedness
