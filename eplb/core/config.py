@@ -165,8 +165,8 @@ class EplbConfig:
     def verify(self, num_logical_experts: int, num_gpus: int,
                num_physical_experts: int | None = None) -> "EplbConfig":
         """Check against the model and the EP group; return the config with resolved values."""
-        from eplb.core.planning import (check_bool, check_dispatch_tokens, check_min_gain, check_move_tolerance,
-                                        check_read_tokens, check_steady_windows)
+        from eplb.core.planning import (check_bool, check_dispatch_tokens, check_load_decay, check_min_gain,
+                                        check_move_tolerance, check_read_tokens, check_steady_windows)
         from eplb.core.policy.registry import available_policies
 
         N, M = num_logical_experts, num_gpus
@@ -198,8 +198,7 @@ class EplbConfig:
             raise ValueError(
                 f"rebalance_interval must be an int >= 0 (0 = only on request), got {self.rebalance_interval!r}"
             )
-        if not isinstance(self.load_decay, (int, float)) or not 0 < self.load_decay <= 1:
-            raise ValueError(f"load_decay must be in (0, 1], got {self.load_decay!r}")
+        check_load_decay(self.load_decay)
         check_move_tolerance(self.move_tolerance)
         check_min_gain(self.min_gain)
         check_min_gain(self.shift_threshold, "shift_threshold")

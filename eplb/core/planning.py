@@ -313,6 +313,12 @@ def check_dispatch_tokens(value: Any, name: str = "dispatch_tokens") -> float:
     return check_number(value, name, lambda v: v >= 0, "a number >= 0 (inf allowed)")
 
 
+def check_load_decay(value: Any, name: str = "load_decay") -> float:
+    """The weight of a step one step older in the load window: a float in (0, 1]. The one
+    check of `load_decay`: EplbConfig.verify, simulate() and `eplb simulate` call it."""
+    return check_number(value, name, lambda v: 0 < v <= 1, "in (0, 1] (1 = a plain sum)")
+
+
 def check_steady_windows(value: Any) -> int:
     """Earlier windows a steady plan adds (`SteadyMemory.keep`): an int >= 0 (bools are
     refused). The one check of `steady_windows`: EplbConfig.verify and simulate() call it."""

@@ -34,8 +34,8 @@ import numpy as np
 
 from eplb.core.placement import Placement
 from eplb.core.planning import (DEFAULT_MIN_GAIN, DEFAULT_SHIFT_THRESHOLD, DEFAULT_STEADY_WINDOWS, check_bool,
-                                check_min_gain, check_move_tolerance, check_steady_windows, check_topology,
-                                positive_int)
+                                check_load_decay, check_min_gain, check_move_tolerance, check_steady_windows,
+                                check_topology, positive_int)
 from eplb.core.policy.base import DEFAULT_MOVE_TOLERANCE
 from eplb.core.policy.registry import get_policy
 from eplb.core.replay import (RebalanceRecord, block_imbalance, decay_weights, oracle_blocks, rebalance_steps,
@@ -162,8 +162,7 @@ def simulate(
     window = positive_int(window, "window")
     interval = positive_int(interval, "interval")
     check_topology(N, M, P, num_nodes, num_groups)
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
-        raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+    check_load_decay(decay)
     move_tolerance = check_move_tolerance(move_tolerance)
     min_gain = check_min_gain(min_gain)
     shift_threshold = check_min_gain(shift_threshold, "shift_threshold")

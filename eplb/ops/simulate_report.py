@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from eplb.core.planning import check_load_decay
 from eplb.core.simulate import PolicyResult, SimulationResult, aggregate_steps, rebalance_steps, simulate
 from eplb.core.workload import load_trace
 from eplb.ops.plots import plot_simulation
@@ -23,8 +24,7 @@ def run_simulate(a: argparse.Namespace) -> int:
     for opt, path in (("--json", a.json), ("--plot", a.plot)):
         if path and not Path(path).resolve().parent.is_dir():
             raise ValueError(f"{opt}: directory does not exist: {Path(path).parent}")
-    if not 0 < a.load_decay <= 1:  # here, not in the simulator: its error names `decay`
-        raise ValueError(f"--load-decay must be in (0, 1] (1 = a plain sum), got {a.load_decay:g}")
+    check_load_decay(a.load_decay, "--load-decay")  # here: the cost replay has no check of its own
     if a.cost:
         _refuse_unused_with_cost(a)
     if a.plot and importlib.util.find_spec("matplotlib") is None:
